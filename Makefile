@@ -1,0 +1,39 @@
+# make train: set up, then the default training run.   make test: set up, then every test.
+VENV ?= .venv
+PYTHON ?= python3
+DATA_DIR ?= /usr/share/datasets/fashion-mnist
+RUN_DIR ?= runs/fashion_mnist
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+.PHONY: venv data train test test-fast bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+# Real Fashion-MNIST in MNIST's IDX format, from Debian (MNIST itself needs a download).
+$(DATA_DIR)/train-images-idx3-ubyte.gz:
+	$(SUDO) apt-get update -qq
+	$(SUDO) apt-get install -y -qq dataset-fashion-mnist
+
+data: $(DATA_DIR)/train-images-idx3-ubyte.gz
+
+train: venv data
+	$(VENV)/bin/gpupar --dataset=fashion_mnist --data_dir=$(DATA_DIR) --epochs=5 \
+		--model_dir=$(RUN_DIR) --resume --log_dir=$(RUN_DIR)/tensorboard \
+		--metrics_json=$(RUN_DIR)/metrics.json
+
+test: venv data
+	$(VENV)/bin/python -m pytest -q
+
+test-fast: venv
+	$(VENV)/bin/python -m pytest -q -m "not slow"
+
+bench: venv data
+	$(VENV)/bin/python -m gpupar.bench --data_dir=$(DATA_DIR)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

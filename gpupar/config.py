@@ -1,0 +1,242 @@
+"""The one frozen configuration shared by the Python API, the CLI flags and the tests.
+
+Importing this module does not import TensorFlow, so every value is checked before any
+TensorFlow work starts.
+"""
+
+import dataclasses
+import os
+import re
+from typing import Optional, Tuple, Union
+
+from gpupar.errors import GpuparError
+
+STRATEGIES = ("auto", "one_device", "mirrored", "central_storage")
+CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
+DATASETS = ("mnist", "fashion_mnist")
+_DEVICE_NAME = re.compile(r"^/(device:)?(cpu|gpu):\d+$", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything one training run needs.
+
+    Attributes:
+      epochs: Total epochs to train; a resumed run stops at the same total.
+      batch_size: Examples per replica per step; the global batch is this times the replicas.
+      learning_rate: Adam learning rate.
+      strategy: auto, one_device, mirrored or central_storage.
+      devices: Device names overriding detection, e.g. "/gpu:0,/gpu:1".
+      cross_device_ops: All-reduce: auto, nccl, hierarchical_copy or reduction_to_one_device.
+      gpus: GPU indices to make visible, e.g. "0,1" (like CUDA_VISIBLE_DEVICES); empty for all.
+      memory_growth: Allocate GPU memory as needed instead of all at once (TF1 allow_growth).
+      memory_limit_mb: Cap each visible GPU at this many MiB.
+      memory_fraction: Cap each visible GPU at this fraction of its memory (TF1 per_process_gpu_memory_fraction).
+      soft_placement: Run ops that have no kernel on the requested device somewhere else.
+      log_placement: Log the device every op runs on.
+      virtual_cpus: Split the CPU into this many logical devices, for multi-device runs without GPUs.
+      dataset: TFDS dataset: mnist or fashion_mnist.
+      data_dir: Folder with the four MNIST-format IDX files (gzipped or not); empty loads from TFDS.
+      model_dir: Folder for per-epoch checkpoints; empty writes none.
+      resume: True continues from the latest checkpoint in model_dir; a path restores that checkpoint.
+      max_to_keep: Checkpoints kept in model_dir; empty keeps all.
+      log_dir: TensorBoard folder; empty writes no summaries.
+      display_step: Print a progress line every this many steps.
+      steps_per_call: Train steps run inside one tf.function call.
+      dropout: Dropout rate before the last layer.
+      sync_batch_norm: Batch-norm statistics over the global batch rather than each replica's.
+      seed: Seed for weights, shuffling and dropout.
+      steps_per_epoch: Cap on the steps of each epoch, for quick runs; empty for a full pass.
+      metrics_json: Write the per-epoch history and final metrics to this JSON file.
+    """
+
+    epochs: int = 5
+    batch_size: int = 1024
+    learning_rate: float = 1e-3
+    strategy: str = "auto"
+    devices: Optional[Tuple[str, ...]] = None
+    cross_device_ops: str = "auto"
+    gpus: Optional[Tuple[int, ...]] = None
+    memory_growth: bool = False
+    memory_limit_mb: Optional[int] = None
+    memory_fraction: Optional[float] = None
+    soft_placement: bool = True
+    log_placement: bool = False
+    virtual_cpus: Optional[int] = None
+    dataset: str = "mnist"
+    data_dir: Optional[str] = None
+    model_dir: Optional[str] = None
+    resume: Union[bool, str] = False
+    max_to_keep: Optional[int] = None
+    log_dir: Optional[str] = None
+    display_step: int = 10
+    steps_per_call: int = 1
+    dropout: float = 0.5
+    sync_batch_norm: bool = False
+    seed: int = 0
+    steps_per_epoch: Optional[int] = None
+    metrics_json: Optional[str] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "gpus", _parse_gpus(self.gpus))
+        object.__setattr__(self, "devices", _parse_devices(self.devices))
+        for name in ("data_dir", "model_dir", "log_dir", "metrics_json"):
+            if getattr(self, name) == "":
+                object.__setattr__(self, name, None)
+        if self.resume in ("", None):
+            object.__setattr__(self, "resume", False)
+        _validate(self)
+
+    @classmethod
+    def from_options(cls, base: Optional["Config"] = None, **options) -> "Config":
+        """A Config from keyword options over `base` (or the defaults); unknown options are errors."""
+        unknown = sorted(set(options) - set(field_names()))
+        if unknown:
+            raise GpuparError(
+                f"unknown option(s) {', '.join(unknown)}; valid options are: "
+                f"{', '.join(field_names())}"
+            )
+        return dataclasses.replace(base, **options) if base is not None else cls(**options)
+
+    @property
+    def resume_path(self) -> Optional[str]:
+        """The checkpoint path given as `resume`, or None when resume is True/False."""
+        return self.resume if isinstance(self.resume, str) else None
+
+
+def field_names():
+    """The names of all Config fields, in declaration order."""
+    return [f.name for f in dataclasses.fields(Config)]
+
+
+def field_help():
+    """Maps each field name to its one-line help from the Attributes docstring."""
+    helps = {}
+    in_attributes = False
+    for line in Config.__doc__.splitlines():
+        stripped = line.strip()
+        if stripped == "Attributes:":
+            in_attributes = True
+        elif in_attributes and ":" in stripped:
+            name, text = stripped.split(":", 1)
+            helps[name] = text.strip()
+    return helps
+
+
+def _parse_gpus(gpus):
+    if gpus is None or gpus == "":
+        return None
+    items = gpus.split(",") if isinstance(gpus, str) else list(gpus)
+    parsed = []
+    for item in items:
+        text = str(item).strip()
+        if not text.isdigit():
+            raise GpuparError(f"gpus={gpus!r}: {text!r} is not a GPU index; use e.g. gpus='0,1'")
+        parsed.append(int(text))
+    if len(set(parsed)) != len(parsed):
+        raise GpuparError(f"gpus={gpus!r} names a GPU twice")
+    return tuple(parsed)
+
+
+def _parse_devices(devices):
+    if devices is None or devices == "":
+        return None
+    items = devices.split(",") if isinstance(devices, str) else list(devices)
+    names = tuple(str(d).strip() for d in items)
+    for name in names:
+        if not _DEVICE_NAME.match(name):
+            raise GpuparError(
+                f"devices={devices!r}: {name!r} is not a device name; use names like "
+                "'/gpu:0' or '/cpu:1'"
+            )
+    return names
+
+
+def _check(condition, message):
+    if not condition:
+        raise GpuparError(message)
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive_int(config, name, optional=False):
+    value = getattr(config, name)
+    if optional and value is None:
+        return
+    _check(_is_int(value) and value > 0, f"{name}={value!r}: must be a whole number > 0")
+
+
+def _validate(c: Config):
+    _check(_is_int(c.epochs) and c.epochs >= 0, f"epochs={c.epochs!r}: must be a whole number >= 0")
+    for name in ("batch_size", "display_step", "steps_per_call"):
+        _positive_int(c, name)
+    for name in ("memory_limit_mb", "virtual_cpus", "max_to_keep", "steps_per_epoch"):
+        _positive_int(c, name, optional=True)
+    _check(_is_int(c.seed), f"seed={c.seed!r}: must be a whole number")
+    _check(
+        _is_number(c.learning_rate) and c.learning_rate > 0,
+        f"learning_rate={c.learning_rate!r}: must be a number > 0",
+    )
+    _check(
+        _is_number(c.dropout) and 0 <= c.dropout < 1,
+        f"dropout={c.dropout!r}: must be a rate in [0, 1)",
+    )
+    _check(
+        c.strategy in STRATEGIES,
+        f"strategy={c.strategy!r} is unknown; choose one of: {', '.join(STRATEGIES)}",
+    )
+    _check(
+        c.cross_device_ops in CROSS_DEVICE_OPS,
+        f"cross_device_ops={c.cross_device_ops!r} is unknown; choose one of: "
+        f"{', '.join(CROSS_DEVICE_OPS)}",
+    )
+    _check(
+        c.dataset in DATASETS,
+        f"dataset={c.dataset!r} is unknown; choose one of: {', '.join(DATASETS)}",
+    )
+    if c.memory_fraction is not None:
+        _check(
+            _is_number(c.memory_fraction) and 0 < c.memory_fraction <= 1,
+            f"memory_fraction={c.memory_fraction!r}: must be a fraction in (0, 1]",
+        )
+        _check(
+            c.memory_limit_mb is None,
+            "memory_fraction and memory_limit_mb both cap GPU memory; give only one of them",
+        )
+    for name in ("memory_growth", "soft_placement", "log_placement", "sync_batch_norm"):
+        _check(isinstance(getattr(c, name), bool), f"{name}={getattr(c, name)!r}: must be True or False")
+    if c.data_dir is not None:
+        _check(
+            os.path.isdir(c.data_dir),
+            f"data_dir={c.data_dir!r} does not exist or is not a folder; point it at the folder "
+            "holding train-images-idx3-ubyte[.gz] and the other three IDX files",
+        )
+    _validate_resume(c)
+
+
+def _validate_resume(c: Config):
+    _check(
+        isinstance(c.resume, (bool, str)),
+        f"resume={c.resume!r}: must be True, False or the path of a checkpoint",
+    )
+    if c.resume is True:
+        _check(c.model_dir is not None, "resume=True needs model_dir, the folder to resume from")
+    path = c.resume_path
+    if path is not None:
+        _check(
+            os.path.exists(path + ".index"),
+            f"resume={path!r}: no checkpoint there (expected {path}.index); give a path like "
+            "model_dir/ckpt-3, or resume=True for the latest",
+        )
+    if c.model_dir is not None and c.resume is False:
+        _check(
+            not os.path.exists(os.path.join(c.model_dir, "checkpoint")),
+            f"model_dir={c.model_dir!r} already holds checkpoints; pass resume=True (--resume) to "
+            "continue from the latest, or choose an empty model_dir so nothing is overwritten",
+        )

@@ -1,0 +1,89 @@
+"""Test session set-up: four virtual CPU devices, made before TensorFlow initialises."""
+
+import gzip
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402  (the environment variable must come first)
+
+NUM_VIRTUAL_CPUS = 4
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    _cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(NUM_VIRTUAL_CPUS)]
+)
+assert len(tf.config.list_logical_devices("CPU")) == NUM_VIRTUAL_CPUS  # initialises the runtime now
+
+FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+
+
+def write_idx(path, array):
+    """Writes a uint8 array as an IDX file, gzipped when the path ends in .gz."""
+    array = np.asarray(array, dtype=np.uint8)
+    magic = 2051 if array.ndim == 3 else 2049
+    header = magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "wb") as f:
+        f.write(header + array.tobytes())
+
+
+def synthetic_digits(num, seed):
+    """Images whose class is a bright 7x7 block at one of ten positions, plus noise."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 10, size=num)
+    images = rng.integers(0, 60, size=(num, 28, 28))
+    for i, label in enumerate(labels):
+        row, col = divmod(int(label), 5)
+        images[i, 3 + row * 12: 10 + row * 12, 1 + col * 5: 8 + col * 5] = 255
+    return images.astype(np.uint8), labels.astype(np.uint8)
+
+
+def make_idx_dir(folder, num_train=256, num_test=100, gz=True):
+    """Writes a small learnable MNIST-format dataset into folder and returns its path."""
+    os.makedirs(folder, exist_ok=True)
+    suffix = ".gz" if gz else ""
+    train_x, train_y = synthetic_digits(num_train, 1)
+    test_x, test_y = synthetic_digits(num_test, 2)
+    write_idx(os.path.join(folder, "train-images-idx3-ubyte" + suffix), train_x)
+    write_idx(os.path.join(folder, "train-labels-idx1-ubyte" + suffix), train_y)
+    write_idx(os.path.join(folder, "t10k-images-idx3-ubyte" + suffix), test_x)
+    write_idx(os.path.join(folder, "t10k-labels-idx1-ubyte" + suffix), test_y)
+    return str(folder)
+
+
+@pytest.fixture
+def idx_dir(tmp_path):
+    """A small synthetic MNIST-format folder (256 train, 100 test images, gzipped)."""
+    return make_idx_dir(tmp_path / "data")
+
+
+@pytest.fixture(scope="session")
+def shared_idx_dir(tmp_path_factory):
+    """The same synthetic folder, made once for tests that only read it."""
+    return make_idx_dir(tmp_path_factory.mktemp("data"))
+
+
+_exit_status = 0
+
+
+def pytest_sessionfinish(session, exitstatus):
+    global _exit_status
+    _exit_status = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Leaves without interpreter teardown, once pytest has reported everything.
+
+    Teardown destroys the tf.data iterators that the runs kept alive, and TensorFlow 2.21 blocks
+    on each of them until its autotune thread wakes (see gpupar.data.keep_for_process): minutes
+    for a whole suite. Nothing is left to flush by then.
+    """
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_exit_status)

@@ -1,0 +1,81 @@
+"""Config: one validated object for the API, the flags and the tests."""
+
+import dataclasses
+
+import pytest
+
+from gpupar.config import Config, field_help, field_names
+from gpupar.errors import GpuparError
+
+
+def test_defaults_match_the_documented_api():
+    c = Config()
+    assert (c.epochs, c.batch_size, c.learning_rate, c.strategy, c.dataset, c.display_step) == (
+        5, 1024, 1e-3, "auto", "mnist", 10,
+    )
+
+
+def test_every_field_has_help():
+    helps = field_help()
+    assert set(helps) == set(field_names())
+    assert all(helps.values())
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().epochs = 3
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(epochs=-1), "epochs=-1"),
+        (dict(batch_size=0), "batch_size=0"),
+        (dict(batch_size=2.5), "batch_size=2.5"),
+        (dict(learning_rate=0), "learning_rate=0"),
+        (dict(dropout=1.0), "dropout=1.0"),
+        (dict(strategy="towers"), "choose one of: auto, one_device, mirrored, central_storage"),
+        (dict(cross_device_ops="mpi"), "cross_device_ops='mpi' is unknown"),
+        (dict(dataset="cifar10"), "dataset='cifar10' is unknown; choose one of: mnist, fashion_mnist"),
+        (dict(data_dir="/no/such/folder"), "data_dir='/no/such/folder' does not exist"),
+        (dict(memory_fraction=1.5), "memory_fraction=1.5"),
+        (dict(memory_fraction=0.5, memory_limit_mb=1000), "give only one of them"),
+        (dict(gpus="0,x"), "'x' is not a GPU index"),
+        (dict(gpus="1,1"), "names a GPU twice"),
+        (dict(devices="gpu0"), "'gpu0' is not a device name"),
+        (dict(resume=True), "resume=True needs model_dir"),
+        (dict(resume="/no/ckpt-3"), "no checkpoint there"),
+        (dict(virtual_cpus=0), "virtual_cpus=0"),
+        (dict(memory_growth="yes"), "memory_growth='yes'"),
+    ],
+)
+def test_bad_values_are_one_clear_error(options, message):
+    with pytest.raises(GpuparError, match=None) as e:
+        Config.from_options(**options)
+    assert message in str(e.value)
+
+
+def test_unknown_option_is_an_error_listing_valid_ones():
+    with pytest.raises(GpuparError) as e:
+        Config.from_options(epoch=3)
+    assert "unknown option(s) epoch" in str(e.value) and "epochs" in str(e.value)
+
+
+def test_options_override_a_base_config():
+    base = Config(epochs=2, batch_size=8)
+    c = Config.from_options(base, batch_size=16)
+    assert (c.epochs, c.batch_size) == (2, 16)
+
+
+def test_lists_parse_from_strings_and_sequences():
+    assert Config(gpus="0, 2").gpus == (0, 2)
+    assert Config(gpus=[1]).gpus == (1,)
+    assert Config(devices="/gpu:0,/GPU:1").devices == ("/gpu:0", "/GPU:1")
+    assert Config(gpus="").gpus is None
+
+
+def test_existing_checkpoints_need_resume(tmp_path):
+    (tmp_path / "checkpoint").write_text('model_checkpoint_path: "ckpt-1"\n')
+    with pytest.raises(GpuparError, match="already holds checkpoints"):
+        Config(model_dir=str(tmp_path))
+    assert Config(model_dir=str(tmp_path), resume=True).resume is True
