@@ -1,0 +1,191 @@
+"""TensorFlow runtime set-up: visible GPUs, GPU memory, placement and virtual CPUs.
+
+`plan_devices` decides from a device list alone (tests call it with fake GPUs);
+`configure_devices` is the one place that tells TensorFlow.
+"""
+
+import dataclasses
+import logging
+from typing import Optional, Sequence, Tuple
+
+from gpupar.errors import GpuparError
+
+log = logging.getLogger("gpupar")
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """What to tell the runtime.
+
+    Attributes:
+      visible_gpus: Indices of the physical GPUs to keep visible.
+      memory_growth: Turn on memory growth for every visible GPU.
+      memory_limits_mb: One memory cap (MiB) per visible GPU, or None for no cap.
+      virtual_cpus: Logical CPU devices to create, or None to leave one.
+      soft_placement: Value for tf.config.set_soft_device_placement.
+      log_placement: Value for tf.debugging.set_log_device_placement.
+      ignored: One message per requested setting that has no effect here, and why.
+    """
+
+    visible_gpus: Tuple[int, ...]
+    memory_growth: bool
+    memory_limits_mb: Optional[Tuple[int, ...]]
+    virtual_cpus: Optional[int]
+    soft_placement: bool
+    log_placement: bool
+    ignored: Tuple[str, ...] = ()
+
+
+def plan_devices(
+    num_gpus: int,
+    gpus: Optional[Sequence[int]] = None,
+    memory_growth: bool = False,
+    memory_limit_mb: Optional[int] = None,
+    memory_fraction: Optional[float] = None,
+    virtual_cpus: Optional[int] = None,
+    soft_placement: bool = True,
+    log_placement: bool = False,
+    gpu_memory_mb: Optional[Sequence[Optional[int]]] = None,
+) -> DevicePlan:
+    """Decides the runtime settings for a machine with `num_gpus` physical GPUs.
+
+    `gpu_memory_mb` gives each physical GPU's total memory (None where unknown); it is only
+    needed for `memory_fraction`.
+    """
+    ignored = []
+    if num_gpus == 0:
+        requested = [
+            ("gpus", gpus is not None),
+            ("memory_growth", memory_growth),
+            ("memory_limit_mb", memory_limit_mb is not None),
+            ("memory_fraction", memory_fraction is not None),
+        ]
+        ignored = [f"{name} ignored: this machine has no GPU" for name, on in requested if on]
+        return DevicePlan((), False, None, virtual_cpus, soft_placement, log_placement, tuple(ignored))
+
+    visible = tuple(range(num_gpus)) if gpus is None else tuple(gpus)
+    missing = [i for i in visible if not 0 <= i < num_gpus]
+    if missing:
+        raise GpuparError(
+            f"gpus={','.join(map(str, visible))}: no GPU with index {missing[0]}; this machine has "
+            f"{num_gpus} GPU(s), indices 0..{num_gpus - 1}"
+        )
+    if not visible:
+        raise GpuparError("gpus is empty; name at least one GPU index, e.g. gpus='0'")
+
+    limits = None
+    if memory_limit_mb is not None:
+        limits = tuple(memory_limit_mb for _ in visible)
+    elif memory_fraction is not None:
+        limits = tuple(_fraction_limit(i, memory_fraction, gpu_memory_mb) for i in visible)
+    if limits is not None and memory_growth:
+        ignored.append("memory_growth ignored: a memory limit is set, and TensorFlow allows only one")
+        memory_growth = False
+    return DevicePlan(visible, memory_growth, limits, virtual_cpus, soft_placement, log_placement, tuple(ignored))
+
+
+def _fraction_limit(index, fraction, gpu_memory_mb):
+    total = None if gpu_memory_mb is None or index >= len(gpu_memory_mb) else gpu_memory_mb[index]
+    if total is None:
+        raise GpuparError(
+            f"memory_fraction needs the total memory of GPU {index}, which could not be read; "
+            "install nvidia-ml-py (pip install 'gpupar[nvml]') or use memory_limit_mb instead"
+        )
+    return max(1, int(total * fraction))
+
+
+def gpu_memory_mb(num_gpus: int) -> Tuple[Optional[int], ...]:
+    """Each GPU's total memory in MiB from NVML, None where NVML cannot tell.
+
+    NVML numbers GPUs in PCI bus order; TensorFlow follows CUDA's order, which matches it when
+    CUDA_DEVICE_ORDER=PCI_BUS_ID.
+    """
+    try:
+        import pynvml
+    except ImportError:
+        return tuple(None for _ in range(num_gpus))
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return tuple(None for _ in range(num_gpus))
+    try:
+        totals = []
+        for i in range(num_gpus):
+            try:
+                info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))
+                totals.append(int(info.total) // (1024 * 1024))
+            except pynvml.NVMLError:
+                totals.append(None)
+        return tuple(totals)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def configure_devices(config) -> DevicePlan:
+    """Applies the device fields of a Config to TensorFlow; call it before any other TF work.
+
+    If TensorFlow has already set up its devices, a request it can still honour (the same or
+    fewer virtual CPUs, no GPU change) is accepted; anything else is a GpuparError.
+    """
+    import tensorflow as tf
+
+    physical_gpus = tf.config.list_physical_devices("GPU")
+    totals = gpu_memory_mb(len(physical_gpus)) if config.memory_fraction is not None else None
+    plan = plan_devices(
+        len(physical_gpus),
+        gpus=config.gpus,
+        memory_growth=config.memory_growth,
+        memory_limit_mb=config.memory_limit_mb,
+        memory_fraction=config.memory_fraction,
+        virtual_cpus=config.virtual_cpus,
+        soft_placement=config.soft_placement,
+        log_placement=config.log_placement,
+        gpu_memory_mb=totals,
+    )
+    for message in plan.ignored:
+        log.info(message)
+    tf.config.set_soft_device_placement(plan.soft_placement)
+    tf.debugging.set_log_device_placement(plan.log_placement)
+    try:
+        _apply_runtime_settings(tf, plan, physical_gpus)
+    except RuntimeError as e:
+        _accept_initialised_runtime(tf, plan, physical_gpus, e)
+    return plan
+
+
+def _apply_runtime_settings(tf, plan, physical_gpus):
+    if physical_gpus:
+        visible = [physical_gpus[i] for i in plan.visible_gpus]
+        tf.config.set_visible_devices(visible, "GPU")
+        for i, gpu in enumerate(visible):
+            if plan.memory_growth:
+                tf.config.experimental.set_memory_growth(gpu, True)
+            if plan.memory_limits_mb is not None:
+                tf.config.set_logical_device_configuration(
+                    gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=plan.memory_limits_mb[i])]
+                )
+    if plan.virtual_cpus is not None:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(plan.virtual_cpus)]
+        )
+
+
+def _accept_initialised_runtime(tf, plan, physical_gpus, error):
+    logical_cpus = len(tf.config.list_logical_devices("CPU"))
+    gpu_change = bool(physical_gpus) and (
+        plan.memory_growth
+        or plan.memory_limits_mb is not None
+        or len(plan.visible_gpus) != len(tf.config.list_logical_devices("GPU"))
+    )
+    if gpu_change or (plan.virtual_cpus or 1) > logical_cpus:
+        raise GpuparError(
+            "TensorFlow has already initialised its devices, so the device settings can no longer "
+            f"change (TensorFlow said: {error}). Call gpupar.configure_devices (or fit_mnist) "
+            "before any other TensorFlow work, or start a fresh process."
+        ) from None
+    log.info(
+        "TensorFlow's devices were already initialised with %d logical CPU(s); using %d of them",
+        logical_cpus,
+        plan.virtual_cpus or 1,
+    )
