@@ -1,0 +1,115 @@
+"""Data sources (TFDS or an IDX folder) and the tf.data input pipeline."""
+
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from gpupar import idx
+from gpupar.errors import GpuparError
+
+
+def load_tfds(name: str, download: bool = True) -> idx.Splits:
+    """Loads a TFDS dataset fully into memory; offline, says how to use local IDX files instead."""
+    import tensorflow_datasets as tfds
+
+    try:
+        train, test = tfds.load(name, split=["train", "test"], as_supervised=True, download=download)
+    except Exception as e:  # TFDS raises many types for a failed download or a missing builder.
+        raise GpuparError(
+            f"could not load TFDS dataset {name!r} ({type(e).__name__}: {str(e).splitlines()[0]}); "
+            "without internet, pass --data_dir pointing at a folder with the four MNIST-format "
+            "IDX files (e.g. /usr/share/datasets/fashion-mnist from Debian's dataset-fashion-mnist)"
+        ) from None
+    train_images, train_labels = _to_numpy(train)
+    test_images, test_labels = _to_numpy(test)
+    return idx.Splits(train_images, train_labels, test_images, test_labels)
+
+
+def _to_numpy(ds):
+    """(image (28, 28, 1) uint8, label) examples -> uint8 (N, 28, 28) and int32 (N,) arrays."""
+    images, labels = [], []
+    for x, y in ds.batch(10_000).as_numpy_iterator():
+        images.append(x[..., 0])
+        labels.append(y.astype(np.int32))
+    return np.concatenate(images), np.concatenate(labels)
+
+
+def load_splits(dataset: str, data_dir=None) -> idx.Splits:
+    """The dataset from an IDX folder when data_dir is given, else from TFDS."""
+    return idx.load_idx_dir(data_dir) if data_dir else load_tfds(dataset)
+
+
+def _normalise(images, labels):
+    """uint8 (B, 28, 28) -> float32 (B, 28, 28, 1) in [0, 1]."""
+    return tf.cast(images, tf.float32)[..., tf.newaxis] / 255.0, labels
+
+
+def _options():
+    options = tf.data.Options()
+    # The data sit in memory and are batched by the global batch: the strategy splits each
+    # batch across replicas (and, on several workers, each worker keeps its share of batches).
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return options
+
+
+_PROCESS_ITERATORS = []
+
+
+def keep_for_process(iterator):
+    """Keeps a distributed iterator alive until the process ends, and returns it.
+
+    TensorFlow 2.21 blocks when a distributed iterator is destroyed until its tf.data autotune
+    thread next wakes up, which after a few minutes of training is tens of seconds (seen 5-35 s
+    here). Kept alive, that cost is never paid while the process works; the CLI then leaves
+    with os._exit.
+    """
+    _PROCESS_ITERATORS.append(iterator)
+    return iterator
+
+
+def batches_per_epoch(num_examples: int, global_batch: int) -> int:
+    """Full global batches in one pass over the training set."""
+    if num_examples < global_batch:
+        raise GpuparError(
+            f"the training set has {num_examples} examples, fewer than one global batch of "
+            f"{global_batch}; lower batch_size"
+        )
+    return num_examples // global_batch
+
+
+def train_dataset(images, labels, global_batch: int, seed: int, start_step: int = 0) -> tf.data.Dataset:
+    """Endless training batches: each pass over the data is a fresh permutation.
+
+    The permutation of pass p depends only on (seed, p), so a run resumed at `start_step` sees
+    the same batches as one that never stopped.
+    """
+    images, labels = tf.constant(images), tf.constant(labels)
+    num_examples = int(images.shape[0])
+    per_pass = batches_per_epoch(num_examples, global_batch)
+    first_pass, skip = divmod(start_step, per_pass)
+
+    def one_pass(number):
+        order = tf.random.experimental.stateless_shuffle(
+            tf.range(num_examples), seed=tf.stack([tf.constant(seed, tf.int64), number])
+        )
+        return tf.data.Dataset.from_tensor_slices(order).batch(global_batch, drop_remainder=True)
+
+    def gather(batch):
+        return _normalise(tf.gather(images, batch), tf.gather(labels, batch))
+
+    ds = tf.data.Dataset.range(first_pass, np.iinfo(np.int64).max).flat_map(one_pass).skip(skip)
+    ds = ds.map(gather, num_parallel_calls=tf.data.AUTOTUNE)
+    return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+
+
+def test_dataset(images, labels, global_batch: int) -> tf.data.Dataset:
+    """The whole test set in order, last partial batch included, repeated for one iterator per run."""
+    ds = tf.data.Dataset.from_tensor_slices((images, labels)).batch(global_batch)
+    ds = ds.map(_normalise, num_parallel_calls=tf.data.AUTOTUNE).cache().repeat()
+    return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+
+
+def test_steps(num_examples: int, global_batch: int) -> int:
+    """Batches in one pass over the test set, the partial one included."""
+    return math.ceil(num_examples / global_batch)

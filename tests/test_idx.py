@@ -1,0 +1,106 @@
+"""IDX files: reading, and one clear error naming the file for every kind of bad file."""
+
+import gzip
+import os
+
+import numpy as np
+import pytest
+
+from conftest import make_idx_dir, write_idx
+from gpupar import idx
+from gpupar.errors import GpuparError
+
+
+def test_reads_gzipped_and_plain_folders(tmp_path):
+    for gz in (True, False):
+        splits = idx.load_idx_dir(make_idx_dir(tmp_path / str(gz), gz=gz))
+        assert splits.train_images.shape == (256, 28, 28) and splits.train_images.dtype == np.uint8
+        assert splits.test_labels.shape == (100,) and splits.test_labels.dtype == np.int32
+        assert set(np.unique(splits.train_labels)) <= set(range(10))
+
+
+def test_reads_the_real_fashion_mnist_files():
+    from conftest import FASHION_MNIST
+
+    splits = idx.load_idx_dir(FASHION_MNIST)
+    assert splits.train_images.shape == (60000, 28, 28) and splits.test_images.shape == (10000, 28, 28)
+    assert np.bincount(splits.test_labels).tolist() == [1000] * 10
+
+
+def _corrupt(folder, name, data: bytes):
+    path = os.path.join(folder, name)
+    with gzip.open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def _bytes(path):
+    with gzip.open(path, "rb") as f:
+        return f.read()
+
+
+def test_missing_file(idx_dir):
+    os.remove(os.path.join(idx_dir, "t10k-labels-idx1-ubyte.gz"))
+    with pytest.raises(GpuparError, match=r"t10k-labels-idx1-ubyte\[\.gz\]: file not found"):
+        idx.load_idx_dir(idx_dir)
+
+
+def test_bad_magic_number(idx_dir):
+    labels = os.path.join(idx_dir, "train-labels-idx1-ubyte.gz")
+    images = os.path.join(idx_dir, "train-images-idx3-ubyte.gz")
+    swapped = _bytes(images)
+    _corrupt(idx_dir, "train-labels-idx1-ubyte.gz", swapped)
+    with pytest.raises(GpuparError) as e:
+        idx.load_idx_dir(idx_dir)
+    assert str(e.value).startswith(labels) and "magic number 2051 is not 2049" in str(e.value)
+
+
+def test_truncated_file(idx_dir):
+    path = os.path.join(idx_dir, "train-images-idx3-ubyte.gz")
+    _corrupt(idx_dir, "train-images-idx3-ubyte.gz", _bytes(path)[:-100])
+    with pytest.raises(GpuparError, match="truncated or damaged") as e:
+        idx.load_idx_dir(idx_dir)
+    assert path in str(e.value)
+
+
+def test_too_short_for_a_header(idx_dir):
+    _corrupt(idx_dir, "t10k-images-idx3-ubyte.gz", b"\x00\x00")
+    with pytest.raises(GpuparError, match="too short for an IDX header"):
+        idx.load_idx_dir(idx_dir)
+
+
+def test_corrupt_gzip(idx_dir):
+    path = os.path.join(idx_dir, "t10k-images-idx3-ubyte.gz")
+    with open(path, "r+b") as f:
+        f.seek(20)
+        f.write(b"\xff" * 50)
+    with pytest.raises(GpuparError, match="cannot read it") as e:
+        idx.load_idx_dir(idx_dir)
+    assert path in str(e.value)
+
+
+def test_image_and_label_counts_disagree(idx_dir):
+    write_idx(os.path.join(idx_dir, "t10k-labels-idx1-ubyte.gz"), np.zeros(99))
+    with pytest.raises(GpuparError, match="holds 100 images but .* holds 99 labels"):
+        idx.load_idx_dir(idx_dir)
+
+
+def test_label_out_of_range(idx_dir):
+    labels = np.zeros(100)
+    labels[7] = 12
+    write_idx(os.path.join(idx_dir, "t10k-labels-idx1-ubyte.gz"), labels)
+    with pytest.raises(GpuparError, match="label 12 at index 7 is outside 0..9"):
+        idx.load_idx_dir(idx_dir)
+
+
+def test_wrong_image_size_is_refused_not_reshaped(idx_dir):
+    write_idx(os.path.join(idx_dir, "t10k-images-idx3-ubyte.gz"), np.zeros((100, 32, 32)))
+    with pytest.raises(GpuparError, match=r"images have shape \[32, 32\], the ConvNet needs 28x28"):
+        idx.load_idx_dir(idx_dir)
+
+
+def test_empty_split(idx_dir):
+    write_idx(os.path.join(idx_dir, "t10k-images-idx3-ubyte.gz"), np.zeros((0, 28, 28)))
+    write_idx(os.path.join(idx_dir, "t10k-labels-idx1-ubyte.gz"), np.zeros(0))
+    with pytest.raises(GpuparError, match="holds no images"):
+        idx.load_idx_dir(idx_dir)
