@@ -1,0 +1,77 @@
+"""The classic MNIST ConvNet as a Keras model."""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+NUM_CLASSES = 10
+
+
+@contextlib.contextmanager
+def replica_mean_statistics():
+    """Makes non-trainable float variables (batch-norm moving statistics) average across replicas.
+
+    Keras creates them with aggregation NONE: under MirroredStrategy each replica would then keep
+    its own diverging copy, and CentralStorageStrategy refuses to update them at all.
+    """
+
+    def creator(next_creator, **kwargs):
+        dtype = kwargs.get("dtype")
+        if (
+            not kwargs.get("trainable", True)
+            and dtype is not None
+            and tf.as_dtype(dtype).is_floating
+            and kwargs.get("aggregation") in (None, tf.VariableAggregation.NONE)
+        ):
+            kwargs["aggregation"] = tf.VariableAggregation.MEAN
+        return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(creator):
+        yield
+
+
+def build_convnet(dropout: float = 0.5, sync_batch_norm: bool = False, l2: float = 5e-4, seed: int = 0):
+    """The ConvNet: conv 6@5x5, conv 12@5x5, dense 100, each with batch norm, then 10 logits.
+
+    Call it inside `strategy.scope()` so its variables are placed by the strategy.
+    """
+    counter = iter(range(seed * 100, seed * 100 + 100))
+
+    def init():
+        return keras.initializers.TruncatedNormal(stddev=0.01, seed=next(counter))
+
+    def batch_norm():
+        return keras.layers.BatchNormalization(momentum=0.9, synchronized=sync_batch_norm)
+
+    def conv(filters):
+        return [
+            keras.layers.Conv2D(
+                filters, 5, padding="same", use_bias=False, kernel_initializer=init(),
+                kernel_regularizer=keras.regularizers.L2(l2),
+            ),
+            batch_norm(),
+            keras.layers.ReLU(),
+            keras.layers.MaxPooling2D(2),
+        ]
+
+    with replica_mean_statistics():
+        return keras.Sequential(
+            [
+                keras.Input((28, 28, 1)),
+                *conv(6),
+                *conv(12),
+                keras.layers.Flatten(),
+                keras.layers.Dense(
+                    100, use_bias=False, kernel_initializer=init(),
+                    kernel_regularizer=keras.regularizers.L2(l2),
+                ),
+                batch_norm(),
+                keras.layers.ReLU(),
+                keras.layers.Dropout(dropout, seed=seed),
+                keras.layers.Dense(
+                    NUM_CLASSES, kernel_initializer=init(), kernel_regularizer=keras.regularizers.L2(l2)
+                ),
+            ],
+            name="convnet",
+        )

@@ -1,0 +1,79 @@
+"""What a training run returns: per-epoch history and final metrics, also as JSON."""
+
+import dataclasses
+import json
+import os
+from typing import Any, List, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochRecord:
+    """One epoch's numbers.
+
+    Attributes:
+      epoch: Epoch index, from 0 (ckpt-<epoch + 1> holds the state after it).
+      train_loss: Mean training loss (cross-entropy plus L2) over the epoch's steps.
+      train_accuracy: Training accuracy over the epoch's steps (dropout on).
+      test_accuracy: Accuracy on the whole test set after the epoch.
+      seconds: Wall time of the epoch's training steps, evaluation excluded.
+      images_per_second: Training images per second over the epoch.
+      steps: Training steps in the epoch.
+    """
+
+    epoch: int
+    train_loss: float
+    train_accuracy: float
+    test_accuracy: float
+    seconds: float
+    images_per_second: float
+    steps: int
+
+
+@dataclasses.dataclass
+class FitResult:
+    """The outcome of fit_mnist.
+
+    Attributes:
+      model: The trained Keras model.
+      strategy: The tf.distribute.Strategy it was trained with.
+      history: One EpochRecord per epoch trained in this run.
+      test_accuracy: Test accuracy of the final model.
+      total_seconds: Wall time of the whole run, set-up included.
+      strategy_description: The one-line description of the strategy that was chosen.
+      replicas: Number of replicas.
+      global_batch: Examples per step over all replicas.
+      start_epoch: Epochs already done when this run started (more than 0 when resumed).
+      checkpoint: Path of the last checkpoint written or restored, if any.
+    """
+
+    model: Any
+    strategy: Any
+    history: List[EpochRecord]
+    test_accuracy: float
+    total_seconds: float
+    strategy_description: str
+    replicas: int
+    global_batch: int
+    start_epoch: int
+    checkpoint: Optional[str]
+
+    def metrics(self) -> dict:
+        """Everything but the model and strategy objects, as plain JSON-able values."""
+        return {
+            "test_accuracy": self.test_accuracy,
+            "total_seconds": self.total_seconds,
+            "strategy": self.strategy_description,
+            "replicas": self.replicas,
+            "global_batch": self.global_batch,
+            "start_epoch": self.start_epoch,
+            "checkpoint": self.checkpoint,
+            "history": [dataclasses.asdict(r) for r in self.history],
+        }
+
+    def write_json(self, path: str):
+        """Writes metrics() to path, creating its folder."""
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.metrics(), f, indent=2)
+            f.write("\n")

@@ -1,0 +1,142 @@
+"""The train step and loop: replica equivalence, steps_per_call, resume, central storage, NaN."""
+
+import os
+
+import numpy as np
+import pytest
+
+import gpupar
+from gpupar.errors import GpuparError
+
+# Four Adam steps at lr 1e-3 move weights by up to ~4e-3. Different replica counts only
+# reorder float32 sums (relative error ~1e-7 per gradient), so matching weights agree to well
+# under 1e-5 while any real difference in the update (scaling by the replica count, per-replica
+# batch statistics) shows up at ~1e-4 or more.
+ATOL = 1e-5
+
+
+def _fit(idx_dir, **options):
+    defaults = dict(data_dir=idx_dir, epochs=1, steps_per_epoch=4, dropout=0.0, seed=0, display_step=100)
+    return gpupar.fit_mnist(**{**defaults, **options})
+
+
+def _max_difference(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a.model.get_weights(), b.model.get_weights()))
+
+
+def _initial_weights():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return gpupar.build_convnet(0.0, seed=0).get_weights()
+
+
+@pytest.mark.parametrize("kind", ["mirrored", "central_storage"])
+def test_two_replicas_give_the_same_update_as_one_device(shared_idx_dir, kind):
+    one = _fit(shared_idx_dir, strategy="one_device", batch_size=32, sync_batch_norm=True)
+    two = _fit(shared_idx_dir, strategy=kind, virtual_cpus=2, batch_size=16, sync_batch_norm=True)
+    assert one.replicas == 1 and two.replicas == 2 and one.global_batch == two.global_batch == 32
+    moved = max(float(np.max(np.abs(w - w0))) for w, w0 in zip(one.model.get_weights(), _initial_weights()))
+    assert moved > 100 * ATOL  # training really changed the weights
+    assert _max_difference(one, two) < ATOL
+    assert abs(one.history[0].train_loss - two.history[0].train_loss) < 1e-4
+
+
+def test_per_replica_batch_norm_is_not_the_same_update(shared_idx_dir):
+    """Control for the test above: without synchronized BN the replicas normalise by their half."""
+    one = _fit(shared_idx_dir, strategy="one_device", batch_size=32)
+    two = _fit(shared_idx_dir, strategy="mirrored", virtual_cpus=2, batch_size=16)
+    assert _max_difference(one, two) > 10 * ATOL
+
+
+def test_steps_per_call_gives_the_same_result_as_single_steps(shared_idx_dir):
+    single = _fit(shared_idx_dir, strategy="mirrored", virtual_cpus=2, batch_size=16, steps_per_epoch=6)
+    packed = _fit(shared_idx_dir, strategy="mirrored", virtual_cpus=2, batch_size=16, steps_per_epoch=6, steps_per_call=4)
+    assert _max_difference(single, packed) < 1e-6
+    assert single.history[0].train_loss == pytest.approx(packed.history[0].train_loss, abs=1e-6)
+
+
+def test_progress_lines_and_epoch_summary(shared_idx_dir, capsys):
+    result = _fit(shared_idx_dir, batch_size=16, steps_per_epoch=None, epochs=2, display_step=5)
+    out = capsys.readouterr().out
+    assert "Epoch:[0] [5 / 16] loss: " in out and "Epoch:[1] [16 / 16]" in out
+    assert "Epoch:[1] train loss: " in out and "Test accuracy: " in out
+    assert [r.epoch for r in result.history] == [0, 1] and result.history[1].steps == 16
+    assert result.test_accuracy == result.history[-1].test_accuracy
+
+
+def test_learns_the_synthetic_digits(shared_idx_dir):
+    result = _fit(shared_idx_dir, batch_size=32, steps_per_epoch=None, epochs=6, learning_rate=1e-2)
+    assert result.test_accuracy > 0.5  # chance is 0.1
+
+
+def test_resume_continues_epochs_and_restores_weights(shared_idx_dir, tmp_path):
+    model_dir = str(tmp_path / "run")
+    first = _fit(shared_idx_dir, model_dir=model_dir, epochs=2, batch_size=16)
+    assert sorted(f for f in os.listdir(model_dir) if f.endswith(".index")) == ["ckpt-1.index", "ckpt-2.index"]
+    # Nothing left to train: the restored model is exactly the saved one.
+    same = _fit(shared_idx_dir, model_dir=model_dir, epochs=2, batch_size=16, resume=True)
+    assert same.start_epoch == 2 and same.history == [] and _max_difference(first, same) == 0.0
+    # A given checkpoint restores into two replicas, and the epoch count goes on from it.
+    more = _fit(shared_idx_dir, model_dir=model_dir, epochs=3, strategy="mirrored", virtual_cpus=2,
+                batch_size=8, resume=os.path.join(model_dir, "ckpt-2"))
+    assert more.start_epoch == 2 and [r.epoch for r in more.history] == [2]
+    assert os.path.exists(os.path.join(model_dir, "ckpt-3.index"))
+
+
+def test_resumed_run_matches_an_uninterrupted_one(shared_idx_dir, tmp_path):
+    straight = _fit(shared_idx_dir, epochs=3, batch_size=16)
+    model_dir = str(tmp_path / "run")
+    _fit(shared_idx_dir, model_dir=model_dir, epochs=1, batch_size=16)
+    resumed = _fit(shared_idx_dir, model_dir=model_dir, epochs=3, batch_size=16, resume=True)
+    assert _max_difference(straight, resumed) < 1e-6
+
+
+def test_checkpoint_of_another_model_is_a_clear_error(shared_idx_dir, tmp_path):
+    import tensorflow as tf
+
+    model_dir = tmp_path / "other"
+    tf.train.Checkpoint(model=tf.Module()).save(str(model_dir / "ckpt"))
+    path = str(model_dir / "ckpt-1")
+    with pytest.raises(GpuparError, match="cannot restore this checkpoint"):
+        _fit(shared_idx_dir, resume=path, batch_size=16)
+
+
+def test_nan_loss_stops_without_overwriting_the_last_checkpoint(shared_idx_dir, tmp_path):
+    model_dir = str(tmp_path / "run")
+    _fit(shared_idx_dir, model_dir=model_dir, epochs=1, batch_size=16)
+    index = os.path.join(model_dir, "ckpt-1.index")
+    before = open(index, "rb").read(), sorted(os.listdir(model_dir))
+    # Adam's steps are ~lr in size, so lr=1e30 overflows the weights and the loss.
+    with pytest.raises(GpuparError, match=r"training loss became (nan|inf) at epoch 1, step \d+; stopped without saving"):
+        _fit(shared_idx_dir, model_dir=model_dir, epochs=2, batch_size=16, resume=True, learning_rate=1e30,
+             display_step=1)
+    assert (open(index, "rb").read(), sorted(os.listdir(model_dir))) == before
+
+
+def test_tensorboard_and_metrics_json(shared_idx_dir, tmp_path):
+    import json
+
+    import tensorflow as tf
+
+    log_dir, metrics = str(tmp_path / "tb"), str(tmp_path / "out" / "metrics.json")
+    result = _fit(shared_idx_dir, batch_size=16, epochs=2, log_dir=log_dir, metrics_json=metrics, display_step=2)
+    tags = {}
+    for name in os.listdir(log_dir):
+        for event in tf.compat.v1.train.summary_iterator(os.path.join(log_dir, name)):
+            for value in event.summary.value:
+                tags.setdefault(value.tag, []).append(event.step)
+    assert tags["train/loss_step"] == [2, 4, 6, 8]
+    for tag in ("train/loss", "train/accuracy", "test/accuracy", "train/images_per_second"):
+        assert tags[tag] == [0, 1]
+    saved = json.load(open(metrics))
+    assert saved["test_accuracy"] == result.test_accuracy and len(saved["history"]) == 2
+    assert set(saved["history"][0]) == {"epoch", "train_loss", "train_accuracy", "test_accuracy", "seconds", "images_per_second", "steps"}
+
+
+def test_fit_on_tfds_mock_data():
+    import tensorflow_datasets as tfds
+
+    with tfds.testing.mock_data(num_examples=64):
+        result = gpupar.fit_mnist(dataset="mnist", epochs=1, batch_size=16, display_step=100)
+    assert result.history[0].steps == 4 and 0.0 <= result.test_accuracy <= 1.0
