@@ -1,0 +1,95 @@
+"""The gpupar command: flags map onto Config; errors are one line and an exit status."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gpupar import cli
+from gpupar.config import Config, field_names
+
+FLAGS = cli.FLAGS
+
+
+@pytest.fixture
+def parse():
+    def _parse(*args):
+        FLAGS.unparse_flags()
+        FLAGS(["gpupar", *args])
+        return cli.config_from_flags()
+
+    yield _parse
+    FLAGS.unparse_flags()
+
+
+def _gpupar(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "gpupar", *args], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+
+
+def test_every_config_field_has_a_flag():
+    for name in field_names():
+        assert name in FLAGS
+    assert "resume_from" in FLAGS
+
+
+def test_no_flags_give_the_default_config(parse):
+    assert parse() == Config()
+
+
+def test_flags_map_onto_the_config(parse, shared_idx_dir):
+    c = parse("--strategy=mirrored", "--virtual_cpus=2", "--epochs=3", "--batch_size=64", "--gpus=0,1",
+              "--memory_growth", "--nosoft_placement", "--learning_rate=0.01", f"--data_dir={shared_idx_dir}",
+              "--steps_per_epoch=7", "--devices=/cpu:0,/cpu:1")
+    assert (c.strategy, c.virtual_cpus, c.epochs, c.batch_size, c.gpus) == ("mirrored", 2, 3, 64, (0, 1))
+    assert c.memory_growth and not c.soft_placement and c.learning_rate == 0.01
+    assert (c.data_dir, c.steps_per_epoch, c.devices) == (shared_idx_dir, 7, ("/cpu:0", "/cpu:1"))
+
+
+def test_resume_flags(parse, tmp_path):
+    assert parse("--resume", f"--model_dir={tmp_path}").resume is True
+    (tmp_path / "ckpt-3.index").write_bytes(b"")
+    assert parse(f"--resume_from={tmp_path}/ckpt-3").resume == f"{tmp_path}/ckpt-3"
+
+
+def test_bad_value_fails_before_tensorflow_starts():
+    result = _gpupar("--epochs=-1", "--strategy=mirrored")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == "gpupar: error: epochs=-1: must be a whole number >= 0"
+    assert "strategy:" not in result.stdout
+
+
+def test_unknown_flag_and_bad_type_fail_before_any_work():
+    for flag in ("--epoch=3", "--batch_size=many"):
+        result = _gpupar(flag)
+        assert result.returncode != 0 and "Flags parsing error" in result.stderr
+        assert result.stdout == ""
+
+
+def test_stray_argument_is_an_error():
+    result = _gpupar("train")
+    assert result.returncode == 2 and "unexpected argument(s) train" in result.stderr
+
+
+def test_training_failure_is_one_line_and_exit_1(idx_dir):
+    os.remove(os.path.join(idx_dir, "train-labels-idx1-ubyte.gz"))
+    result = _gpupar(f"--data_dir={idx_dir}", "--epochs=1")
+    assert result.returncode == 1
+    assert "train-labels-idx1-ubyte[.gz]: file not found" in result.stderr.strip().splitlines()[-1]
+
+
+def test_cli_trains_and_writes_metrics_json(shared_idx_dir, tmp_path):
+    metrics = tmp_path / "metrics.json"
+    result = _gpupar(f"--data_dir={shared_idx_dir}", "--epochs=2", "--batch_size=16", "--steps_per_epoch=3",
+                     "--strategy=mirrored", "--virtual_cpus=2", f"--model_dir={tmp_path / 'run'}",
+                     f"--metrics_json={metrics}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "strategy: MirroredStrategy on /cpu:0, /cpu:1 (2 replicas)" in result.stdout
+    assert "Epoch:[1] [3 / 3] loss:" in result.stdout
+    saved = json.loads(metrics.read_text())
+    assert saved["replicas"] == 2 and saved["global_batch"] == 32
+    assert [r["epoch"] for r in saved["history"]] == [0, 1] and saved["checkpoint"].endswith("ckpt-2")
