@@ -5,7 +5,8 @@
         --data_dir=/usr/share/datasets/fashion-mnist --model_dir=runs/m --resume
     python -m gpupar --helpfull
 
-Exit status: 0 on success, 1 when training fails with a gpupar error, 2 for a bad flag value.
+Exit status: 0 on success, 1 when training fails with a gpupar error, 2 for a bad flag value,
+130 / 143 after SIGINT / SIGTERM (a checkpoint was saved first).
 """
 
 import dataclasses
@@ -68,10 +69,14 @@ def main(argv):
     except GpuparError as e:
         print(f"gpupar: error: {e}", file=sys.stderr)
         return 2
+    from gpupar.interrupt import TrainingInterrupted
     from gpupar.train import train_and_evaluate
 
     try:
         train_and_evaluate(config)
+    except TrainingInterrupted as e:
+        print(f"gpupar: {e}", file=sys.stderr)
+        return e.exit_status
     except GpuparError as e:
         print(f"gpupar: error: {e}", file=sys.stderr)
         return 1

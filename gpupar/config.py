@@ -40,6 +40,7 @@ class Config:
       model_dir: Folder for per-epoch checkpoints; empty writes none.
       resume: True continues from the latest checkpoint in model_dir; a path restores that checkpoint.
       max_to_keep: Checkpoints kept in model_dir; empty keeps all.
+      checkpoint_every_steps: Also save within an epoch every this many steps; empty saves per epoch only.
       log_dir: TensorBoard folder; empty writes no summaries.
       display_step: Print a progress line every this many steps.
       steps_per_call: Train steps run inside one tf.function call.
@@ -68,6 +69,7 @@ class Config:
     model_dir: Optional[str] = None
     resume: Union[bool, str] = False
     max_to_keep: Optional[int] = None
+    checkpoint_every_steps: Optional[int] = None
     log_dir: Optional[str] = None
     display_step: int = 10
     steps_per_call: int = 1
@@ -176,7 +178,7 @@ def _validate(c: Config):
     _check(_is_int(c.epochs) and c.epochs >= 0, f"epochs={c.epochs!r}: must be a whole number >= 0")
     for name in ("batch_size", "display_step", "steps_per_call"):
         _positive_int(c, name)
-    for name in ("memory_limit_mb", "virtual_cpus", "max_to_keep", "steps_per_epoch"):
+    for name in ("memory_limit_mb", "virtual_cpus", "max_to_keep", "checkpoint_every_steps", "steps_per_epoch"):
         _positive_int(c, name, optional=True)
     _check(_is_int(c.seed), f"seed={c.seed!r}: must be a whole number")
     _check(
@@ -217,6 +219,8 @@ def _validate(c: Config):
             f"data_dir={c.data_dir!r} does not exist or is not a folder; point it at the folder "
             "holding train-images-idx3-ubyte[.gz] and the other three IDX files",
         )
+    if c.checkpoint_every_steps is not None:
+        _check(c.model_dir is not None, "checkpoint_every_steps needs model_dir, the folder to save into")
     _validate_resume(c)
 
 

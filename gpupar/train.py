@@ -8,10 +8,11 @@ import keras
 import tensorflow as tf
 
 from gpupar import data
-from gpupar.checkpoint import Checkpoints
+from gpupar.checkpoint import Checkpoints, ModelDirLock, Position
 from gpupar.config import Config
 from gpupar.devices import configure_devices
 from gpupar.errors import GpuparError
+from gpupar.interrupt import StopRequests, TrainingInterrupted
 from gpupar.model import build_convnet
 from gpupar.result import EpochRecord, FitResult
 from gpupar.strategy import build_strategy, detected_plan
@@ -24,6 +25,24 @@ SUM = tf.distribute.ReduceOp.SUM
 def _correct(logits, labels):
     predictions = tf.argmax(logits, axis=1, output_type=labels.dtype)
     return tf.reduce_sum(tf.cast(tf.equal(predictions, labels), tf.float32))
+
+
+def _summed_over_steps(strategy, replica_step):
+    """A tf.function(iterator, num_steps) that runs replica_step num_steps times in one call.
+
+    replica_step returns two scalars; they come back summed over replicas and steps.
+    """
+
+    @tf.function
+    def run(iterator, num_steps):
+        first, second = tf.constant(0.0), tf.constant(0.0)
+        for _ in tf.range(num_steps):
+            a, b = strategy.run(replica_step, args=next(iterator))
+            first += strategy.reduce(SUM, a, axis=None)
+            second += strategy.reduce(SUM, b, axis=None)
+        return first, second
+
+    return run
 
 
 def make_train_function(strategy, model, optimizer, global_batch: int):
@@ -47,16 +66,7 @@ def make_train_function(strategy, model, optimizer, global_batch: int):
         optimizer.apply(grads, model.trainable_variables)
         return loss, _correct(logits, labels)
 
-    @tf.function
-    def train(iterator, num_steps):
-        loss_sum, correct_sum = tf.constant(0.0), tf.constant(0.0)
-        for _ in tf.range(num_steps):
-            loss, correct = strategy.run(replica_step, args=next(iterator))
-            loss_sum += strategy.reduce(SUM, loss, axis=None)
-            correct_sum += strategy.reduce(SUM, correct, axis=None)
-        return loss_sum, correct_sum
-
-    return train
+    return _summed_over_steps(strategy, replica_step)
 
 
 def make_test_function(strategy, model):
@@ -66,16 +76,7 @@ def make_test_function(strategy, model):
         logits = model(images, training=False)
         return _correct(logits, labels), tf.cast(tf.shape(labels)[0], tf.float32)
 
-    @tf.function
-    def test(iterator, num_steps):
-        correct_sum, count_sum = tf.constant(0.0), tf.constant(0.0)
-        for _ in tf.range(num_steps):
-            correct, count = strategy.run(replica_step, args=next(iterator))
-            correct_sum += strategy.reduce(SUM, correct, axis=None)
-            count_sum += strategy.reduce(SUM, count, axis=None)
-        return correct_sum, count_sum
-
-    return test
+    return _summed_over_steps(strategy, replica_step)
 
 
 def _check_finite(loss, epoch, step, checkpoint):
@@ -87,8 +88,90 @@ def _check_finite(loss, epoch, step, checkpoint):
         )
 
 
+def _crosses(before: int, after: int, every) -> bool:
+    """True when a multiple of `every` lies in (before, after]."""
+    return every is not None and after // every > before // every
+
+
+class _Loop:
+    """The outer loop: epochs of K-step calls, progress lines, evaluation, checkpoints, summaries."""
+
+    def __init__(self, config, train, evaluate, checkpoints, summaries, steps_per_epoch, global_batch):
+        self.config, self.train, self.evaluate = config, train, evaluate
+        self.checkpoints, self.summaries = checkpoints, summaries
+        self.steps_per_epoch, self.global_batch = steps_per_epoch, global_batch
+
+    def _chunk(self, step):
+        """Steps in the next call: K, cut at the epoch end and at step-checkpoint boundaries."""
+        num = min(self.config.steps_per_call, self.steps_per_epoch - step)
+        every = self.config.checkpoint_every_steps
+        if every is not None:
+            num = min(num, every - step % every)
+        return num
+
+    def epoch(self, epoch, first_step, train_iterator, stop):
+        """Trains the rest of one epoch from first_step; returns its EpochRecord."""
+        c, spe, gb = self.config, self.steps_per_epoch, self.global_batch
+        started = time.perf_counter()
+        step, loss_total, correct_total = first_step, 0.0, 0.0
+        shown_step, shown_time, shown_loss, shown_correct = step, started, 0.0, 0.0
+        while step < spe:
+            num_steps = self._chunk(step)
+            loss_sum, correct_sum = self.train(train_iterator, tf.constant(num_steps))
+            step += num_steps
+            loss_total += float(loss_sum)
+            correct_total += float(correct_sum)
+            if _crosses(step - num_steps, step, c.display_step) or step == spe or stop.signum:
+                now, done = time.perf_counter(), step - shown_step
+                loss = (loss_total - shown_loss) / done
+                _check_finite(loss, epoch, step, self.checkpoints.latest)
+                log.info(
+                    "Epoch:[%d] [%d / %d] loss: %.4f, acc: %.4f, %s img/s", epoch, step, spe, loss,
+                    (correct_total - shown_correct) / (done * gb), f"{done * gb / (now - shown_time):,.0f}",
+                )
+                self.summaries.step(epoch * spe + step, loss)
+                shown_step, shown_time, shown_loss, shown_correct = step, now, loss_total, correct_total
+            if step < spe and (stop.signum or _crosses(step - num_steps, step, c.checkpoint_every_steps)):
+                _check_finite(loss_total / (step - first_step), epoch, step, self.checkpoints.latest)
+                path = self.checkpoints.save_step(Position(epoch, step), epoch * spe + step)
+                if stop.signum:
+                    raise TrainingInterrupted(stop.signum, path)
+        seconds = time.perf_counter() - started
+        steps = spe - first_step
+        return EpochRecord(
+            epoch=epoch, train_loss=loss_total / steps, train_accuracy=correct_total / (steps * gb),
+            test_accuracy=self.evaluate(), seconds=seconds, images_per_second=steps * gb / seconds, steps=steps,
+        )
+
+    def run(self, start: Position, train_iterator):
+        """Trains from `start` to config.epochs; returns the EpochRecords."""
+        history = []
+        if start.epoch >= self.config.epochs:
+            log.info("nothing to train: the checkpoint already holds %d epoch(s), epochs=%d",
+                     start.epoch, self.config.epochs)
+        with StopRequests() as stop:
+            for epoch in range(start.epoch, self.config.epochs):
+                record = self.epoch(epoch, start.step if epoch == start.epoch else 0, train_iterator, stop)
+                history.append(record)
+                self.summaries.epoch(epoch, record)
+                saved = self.checkpoints.save_epoch(epoch + 1)
+                log.info(
+                    "Epoch:[%d] train loss: %.4f, train acc: %.4f, test acc: %.4f, %.1f s, %s img/s%s", epoch,
+                    record.train_loss, record.train_accuracy, record.test_accuracy, record.seconds,
+                    f"{record.images_per_second:,.0f}", f", saved {saved}" if saved else "",
+                )
+                if stop.signum:
+                    raise TrainingInterrupted(stop.signum, saved)
+        return history
+
+
 def train_and_evaluate(config: Config) -> FitResult:
     """Trains the ConvNet as the config says, evaluating and checkpointing after every epoch."""
+    with ModelDirLock(config.model_dir):
+        return _train_and_evaluate(config)
+
+
+def _train_and_evaluate(config: Config) -> FitResult:
     started = time.perf_counter()
     configure_devices(config)
     plan = detected_plan(config.strategy, config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1)
@@ -108,76 +191,36 @@ def train_and_evaluate(config: Config) -> FitResult:
         optimizer = keras.optimizers.Adam(config.learning_rate)
         optimizer.build(model.trainable_variables)
     checkpoints = Checkpoints(config.model_dir, model, optimizer, config.max_to_keep)
-    start_epoch = checkpoints.restore(config.resume)
+    start = checkpoints.restore(config.resume)
     optimizer.learning_rate.assign(config.learning_rate)  # the checkpoint's value would win otherwise
-    last_checkpoint = config.resume_path or (checkpoints.manager.latest_checkpoint if checkpoints.manager else None)
 
     train_iterator = data.keep_for_process(iter(strategy.experimental_distribute_dataset(data.train_dataset(
         splits.train_images, splits.train_labels, global_batch, config.seed,
-        start_step=start_epoch * steps_per_epoch,
+        start_step=start.epoch * steps_per_epoch + start.step,
     ))))
     test_iterator = data.keep_for_process(iter(strategy.experimental_distribute_dataset(
         data.test_dataset(splits.test_images, splits.test_labels, global_batch)
     )))
-    train = make_train_function(strategy, model, optimizer, global_batch)
     test = make_test_function(strategy, model)
-    summaries = Summaries(config.log_dir)
 
     def evaluate():
         correct, count = test(test_iterator, tf.constant(num_test_steps))
         return float(correct) / float(count)
 
-    history = []
-    if start_epoch >= config.epochs:
-        log.info("nothing to train: the checkpoint already holds %d epoch(s), epochs=%d", start_epoch, config.epochs)
-    for epoch in range(start_epoch, config.epochs):
-        epoch_started = time.perf_counter()
-        step, loss_total, correct_total = 0, 0.0, 0.0
-        shown_step, shown_time, shown_loss, shown_correct = 0, epoch_started, 0.0, 0.0
-        while step < steps_per_epoch:
-            num_steps = min(config.steps_per_call, steps_per_epoch - step)
-            loss_sum, correct_sum = train(train_iterator, tf.constant(num_steps))
-            step += num_steps
-            loss_total += float(loss_sum)
-            correct_total += float(correct_sum)
-            if step // config.display_step > (step - num_steps) // config.display_step or step == steps_per_epoch:
-                now, done = time.perf_counter(), step - shown_step
-                loss = (loss_total - shown_loss) / done
-                _check_finite(loss, epoch, step, last_checkpoint)
-                log.info(
-                    "Epoch:[%d] [%d / %d] loss: %.4f, acc: %.4f, %s img/s", epoch, step, steps_per_epoch,
-                    loss, (correct_total - shown_correct) / (done * global_batch),
-                    f"{done * global_batch / (now - shown_time):,.0f}",
-                )
-                summaries.step(epoch * steps_per_epoch + step, loss)
-                shown_step, shown_time, shown_loss, shown_correct = step, now, loss_total, correct_total
-        seconds = time.perf_counter() - epoch_started
-        record = EpochRecord(
-            epoch=epoch,
-            train_loss=loss_total / steps_per_epoch,
-            train_accuracy=correct_total / (steps_per_epoch * global_batch),
-            test_accuracy=evaluate(),
-            seconds=seconds,
-            images_per_second=steps_per_epoch * global_batch / seconds,
-            steps=steps_per_epoch,
-        )
-        history.append(record)
-        summaries.epoch(epoch, record)
-        last_checkpoint = checkpoints.save(epoch + 1) or last_checkpoint
-        log.info(
-            "Epoch:[%d] train loss: %.4f, train acc: %.4f, test acc: %.4f, %.1f s, %s img/s%s", epoch,
-            record.train_loss, record.train_accuracy, record.test_accuracy, seconds,
-            f"{record.images_per_second:,.0f}", f", saved {last_checkpoint}" if checkpoints.manager else "",
-        )
-
-    summaries.close()
+    summaries = Summaries(config.log_dir)
+    loop = _Loop(config, make_train_function(strategy, model, optimizer, global_batch), evaluate,
+                 checkpoints, summaries, steps_per_epoch, global_batch)
+    try:
+        history = loop.run(start, train_iterator)
+    finally:
+        summaries.close()
     test_accuracy = history[-1].test_accuracy if history else evaluate()
     total = time.perf_counter() - started
     log.info("Test accuracy: %.4f; total time: %.1f s", test_accuracy, total)
     result = FitResult(
         model=model, strategy=strategy, history=history, test_accuracy=test_accuracy,
         total_seconds=total, strategy_description=plan.describe(), replicas=plan.num_replicas,
-        global_batch=global_batch, start_epoch=start_epoch, checkpoint=last_checkpoint,
+        global_batch=global_batch, start_epoch=start.epoch, checkpoint=checkpoints.latest,
     )
     if config.metrics_json:
         result.write_json(config.metrics_json)

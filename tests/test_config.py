@@ -46,6 +46,7 @@ def test_config_is_frozen():
         (dict(resume=True), "resume=True needs model_dir"),
         (dict(resume="/no/ckpt-3"), "no checkpoint there"),
         (dict(virtual_cpus=0), "virtual_cpus=0"),
+        (dict(checkpoint_every_steps=10), "checkpoint_every_steps needs model_dir"),
         (dict(memory_growth="yes"), "memory_growth='yes'"),
     ],
 )

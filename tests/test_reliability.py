@@ -1,0 +1,138 @@
+"""Faults and interruptions: every completed step checkpoint survives, nothing good is overwritten."""
+
+import fcntl
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import gpupar
+from gpupar.checkpoint import WITHIN_EPOCH
+from gpupar.errors import GpuparError
+
+# Deterministic: no dropout, fixed seed, data order fixed by (seed, step).
+RUN = ["--epochs=3", "--batch_size=16", "--dropout=0", "--seed=0", "--display_step=1", "--checkpoint_every_steps=2"]
+
+
+def _fit(idx_dir, **options):
+    defaults = dict(data_dir=idx_dir, epochs=1, batch_size=16, dropout=0.0, seed=0, display_step=100)
+    return gpupar.fit_mnist(**{**defaults, **options})
+
+
+def _start(idx_dir, model_dir, *extra):
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpupar", f"--data_dir={idx_dir}", f"--model_dir={model_dir}", "--resume", *RUN, *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+
+
+def _wait_for_line(process, text, timeout=120):
+    """Reads stdout until a line containing text; returns everything read."""
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+    process.kill()
+    raise AssertionError(f"never printed {text!r}; got:\n{''.join(seen)}")
+
+
+def _weights(model_dir, idx_dir):
+    """The weights of the latest checkpoint in model_dir, as a resumed run restores them."""
+    return _fit(idx_dir, model_dir=model_dir, resume=True, epochs=3).model.get_weights()
+
+
+@pytest.fixture(scope="module")
+def reference(shared_idx_dir):
+    """The final weights of the same run, never interrupted."""
+    return _fit(shared_idx_dir, epochs=3).model.get_weights()
+
+
+def _close(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b)) < 1e-5
+
+
+def test_step_checkpoints_and_mid_epoch_resume_match_an_uninterrupted_run(shared_idx_dir, tmp_path, reference):
+    model_dir = str(tmp_path / "run")
+    _fit(shared_idx_dir, model_dir=model_dir, epochs=1, checkpoint_every_steps=3, steps_per_epoch=None)
+    assert sorted(os.listdir(os.path.join(model_dir, WITHIN_EPOCH))) == [
+        "checkpoint", "step-15.data-00000-of-00001", "step-15.index"]  # the newest of steps 3, 6, .., 15
+    resumed = _fit(shared_idx_dir, model_dir=model_dir, resume=os.path.join(model_dir, WITHIN_EPOCH, "step-15"),
+                   epochs=3)
+    assert resumed.start_epoch == 0 and resumed.history[0].steps == 1  # step 16 of 16, then 2 epochs
+    assert _close(resumed.model.get_weights(), reference)
+
+
+def test_sigterm_saves_exits_143_and_resume_finishes(shared_idx_dir, tmp_path, reference):
+    model_dir = str(tmp_path / "run")
+    process = _start(shared_idx_dir, model_dir)
+    _wait_for_line(process, "Epoch:[1] [5 / 16]")
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err[-2000:]
+    assert "SIGTERM received: saving a checkpoint at the next step boundary" in out
+    assert "interrupted by SIGTERM (saved " in err and "resume with --resume" in err
+    finish = _start(shared_idx_dir, model_dir)
+    out, err = finish.communicate(timeout=300)
+    assert finish.returncode == 0, err[-2000:]
+    assert "resumed from" in out and "Epoch:[2] train loss" in out and "Epoch:[0]" not in out
+    assert sorted(f for f in os.listdir(model_dir) if f.endswith(".index")) == [
+        "ckpt-1.index", "ckpt-2.index", "ckpt-3.index"]
+    assert _close(_weights(model_dir, shared_idx_dir), reference)
+
+
+def test_sigkill_at_random_moments_loses_at_most_the_steps_since_the_last_checkpoint(shared_idx_dir, tmp_path, reference):
+    model_dir = str(tmp_path / "run")
+    rng = random.Random(7)
+    for _ in range(3):
+        process = _start(shared_idx_dir, model_dir)
+        _wait_for_line(process, "loss:")  # training has started
+        time.sleep(rng.uniform(0.0, 1.5))
+        process.kill()
+        process.communicate(timeout=60)
+    finish = _start(shared_idx_dir, model_dir)
+    out, err = finish.communicate(timeout=300)
+    assert finish.returncode == 0, err[-2000:]
+    assert "Epoch:[2] train loss" in out
+    assert os.path.exists(os.path.join(model_dir, "ckpt-3.index"))
+    assert _close(_weights(model_dir, shared_idx_dir), reference)
+
+
+def test_second_run_on_the_same_model_dir_is_refused(shared_idx_dir, tmp_path):
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    with open(model_dir / ".gpupar.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242")
+        held.flush()
+        with pytest.raises(GpuparError, match=r"is in use by another gpupar run \(pid 4242\)"):
+            _fit(shared_idx_dir, model_dir=str(model_dir))
+    assert os.listdir(model_dir) == [".gpupar.lock"]
+
+
+def test_unwritable_model_dir_is_a_clear_error(shared_idx_dir, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(GpuparError, match="cannot be written"):
+        _fit(shared_idx_dir, model_dir=str(blocker / "run"))
+
+
+def test_truncated_checkpoint_is_named_and_left_alone(shared_idx_dir, tmp_path):
+    model_dir = tmp_path / "run"
+    _fit(shared_idx_dir, model_dir=str(model_dir), epochs=1, steps_per_epoch=2)
+    data_file = model_dir / "ckpt-1.data-00000-of-00001"
+    data_file.write_bytes(data_file.read_bytes()[:1000])
+    before = {p.name: p.read_bytes() for p in model_dir.iterdir() if p.is_file()}
+    with pytest.raises(GpuparError) as e:
+        _fit(shared_idx_dir, model_dir=str(model_dir), resume=True, epochs=2)
+    assert f"{model_dir}/ckpt-1: cannot restore this checkpoint" in str(e.value)
+    assert {p.name: p.read_bytes() for p in model_dir.iterdir() if p.is_file()} == before
