@@ -14,6 +14,7 @@ from gpupar.errors import GpuparError
 STRATEGIES = ("auto", "one_device", "mirrored", "central_storage")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
 DATASETS = ("mnist", "fashion_mnist")
+NAN_POLICIES = ("stop", "skip")
 _DEVICE_NAME = re.compile(r"^/(device:)?(cpu|gpu):\d+$", re.IGNORECASE)
 
 
@@ -44,6 +45,7 @@ class Config:
       log_dir: TensorBoard folder; empty writes no summaries.
       display_step: Print a progress line every this many steps.
       steps_per_call: Train steps run inside one tf.function call.
+      nan_policy: A step with a NaN or Inf loss or gradient: stop (error, last checkpoint kept) or skip it.
       dropout: Dropout rate before the last layer.
       sync_batch_norm: Batch-norm statistics over the global batch rather than each replica's.
       seed: Seed for weights, shuffling and dropout.
@@ -73,6 +75,7 @@ class Config:
     log_dir: Optional[str] = None
     display_step: int = 10
     steps_per_call: int = 1
+    nan_policy: str = "stop"
     dropout: float = 0.5
     sync_batch_norm: bool = False
     seed: int = 0
@@ -201,6 +204,10 @@ def _validate(c: Config):
     _check(
         c.dataset in DATASETS,
         f"dataset={c.dataset!r} is unknown; choose one of: {', '.join(DATASETS)}",
+    )
+    _check(
+        c.nan_policy in NAN_POLICIES,
+        f"nan_policy={c.nan_policy!r} is unknown; choose one of: {', '.join(NAN_POLICIES)}",
     )
     if c.memory_fraction is not None:
         _check(

@@ -18,6 +18,7 @@ class EpochRecord:
       seconds: Wall time of the epoch's training steps, evaluation excluded.
       images_per_second: Training images per second over the epoch.
       steps: Training steps in the epoch.
+      skipped_steps: Steps dropped for a non-finite loss or gradient (nan_policy=skip).
     """
 
     epoch: int
@@ -27,6 +28,7 @@ class EpochRecord:
     seconds: float
     images_per_second: float
     steps: int
+    skipped_steps: int = 0
 
 
 @dataclasses.dataclass

@@ -45,26 +45,43 @@ def _summed_over_steps(strategy, replica_step):
     return run
 
 
-def make_train_function(strategy, model, optimizer, global_batch: int):
+def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonfinite: bool = False):
     """Returns train(iterator, num_steps) -> (sum of step losses, correct predictions).
 
-    It runs num_steps synchronous steps inside one tf.function call.
+    It runs num_steps synchronous steps inside one tf.function call. With skip_nonfinite the
+    optimizer must be a keras.optimizers.LossScaleOptimizer: a step whose loss or gradient is
+    not finite on any replica is then dropped on all of them (no update, batch-norm statistics
+    restored) and adds nothing to the sums.
     """
 
     def replica_step(images, labels):
+        statistics = [v for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
+        if skip_nonfinite:
+            before = [tf.identity(v) for v in statistics]
         with tf.GradientTape() as tape:
             logits = model(images, training=True)
             per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
             # Each replica divides by the GLOBAL batch, so summing over replicas gives the mean.
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
             loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
-        grads = tape.gradient(loss, model.trainable_variables)
+            differentiated = optimizer.scale_loss(loss) if skip_nonfinite else loss
+        grads = tape.gradient(differentiated, model.trainable_variables)
+        correct = _correct(logits, labels)
+        if skip_nonfinite:
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads] + [tf.math.is_finite(loss)])
+            bad = tf.distribute.get_replica_context().all_reduce(SUM, 1.0 - tf.cast(finite, tf.float32)) > 0
+            # The loss-scale optimizer skips non-finite gradients but decides from one replica's:
+            # poison every replica's so they all agree.
+            grads = [tf.where(bad, tf.constant(float("nan"), g.dtype), g) for g in grads]
+            for variable, value in zip(statistics, before):
+                variable.assign(tf.where(bad, value, variable))
+            loss, correct = tf.where(bad, 0.0, loss), tf.where(bad, 0.0, correct)
         # The all-reduce happens here: Keras 3's optimizer sums the gradients of all replicas
         # (one ReplicaContext.all_reduce(SUM) over the whole list, through the strategy's
         # cross-device ops) and then applies one identical Adam update on every replica.
         # Reducing them here as well would make every update num_replicas times too large.
         optimizer.apply(grads, model.trainable_variables)
-        return loss, _correct(logits, labels)
+        return loss, correct
 
     return _summed_over_steps(strategy, replica_step)
 
@@ -96,8 +113,9 @@ def _crosses(before: int, after: int, every) -> bool:
 class _Loop:
     """The outer loop: epochs of K-step calls, progress lines, evaluation, checkpoints, summaries."""
 
-    def __init__(self, config, train, evaluate, checkpoints, summaries, steps_per_epoch, global_batch):
+    def __init__(self, config, train, evaluate, checkpoints, summaries, steps_per_epoch, global_batch, updates):
         self.config, self.train, self.evaluate = config, train, evaluate
+        self.updates = updates  # the optimizer's update counter; it stands still on skipped steps
         self.checkpoints, self.summaries = checkpoints, summaries
         self.steps_per_epoch, self.global_batch = steps_per_epoch, global_batch
 
@@ -115,6 +133,7 @@ class _Loop:
         started = time.perf_counter()
         step, loss_total, correct_total = first_step, 0.0, 0.0
         shown_step, shown_time, shown_loss, shown_correct = step, started, 0.0, 0.0
+        updates_before, skipped, shown_skipped = int(self.updates.numpy()), 0, 0
         while step < spe:
             num_steps = self._chunk(step)
             loss_sum, correct_sum = self.train(train_iterator, tf.constant(num_steps))
@@ -123,12 +142,17 @@ class _Loop:
             correct_total += float(correct_sum)
             if _crosses(step - num_steps, step, c.display_step) or step == spe or stop.signum:
                 now, done = time.perf_counter(), step - shown_step
-                loss = (loss_total - shown_loss) / done
+                if c.nan_policy == "skip":
+                    skipped = step - first_step - (int(self.updates.numpy()) - updates_before)
+                kept = max(done - (skipped - shown_skipped), 1)
+                loss = (loss_total - shown_loss) / kept
                 _check_finite(loss, epoch, step, self.checkpoints.latest)
                 log.info(
-                    "Epoch:[%d] [%d / %d] loss: %.4f, acc: %.4f, %s img/s", epoch, step, spe, loss,
-                    (correct_total - shown_correct) / (done * gb), f"{done * gb / (now - shown_time):,.0f}",
+                    "Epoch:[%d] [%d / %d] loss: %.4f, acc: %.4f, %s img/s%s", epoch, step, spe, loss,
+                    (correct_total - shown_correct) / (kept * gb), f"{done * gb / (now - shown_time):,.0f}",
+                    f", skipped {skipped - shown_skipped} non-finite step(s)" if skipped > shown_skipped else "",
                 )
+                shown_skipped = skipped
                 self.summaries.step(epoch * spe + step, loss)
                 shown_step, shown_time, shown_loss, shown_correct = step, now, loss_total, correct_total
             if step < spe and (stop.signum or _crosses(step - num_steps, step, c.checkpoint_every_steps)):
@@ -138,9 +162,11 @@ class _Loop:
                     raise TrainingInterrupted(stop.signum, path)
         seconds = time.perf_counter() - started
         steps = spe - first_step
+        kept = max(steps - skipped, 1)
         return EpochRecord(
-            epoch=epoch, train_loss=loss_total / steps, train_accuracy=correct_total / (steps * gb),
+            epoch=epoch, train_loss=loss_total / kept, train_accuracy=correct_total / (kept * gb),
             test_accuracy=self.evaluate(), seconds=seconds, images_per_second=steps * gb / seconds, steps=steps,
+            skipped_steps=skipped,
         )
 
     def run(self, start: Position, train_iterator):
@@ -186,13 +212,17 @@ def _train_and_evaluate(config: Config) -> FitResult:
         steps_per_epoch = min(steps_per_epoch, config.steps_per_epoch)
     num_test_steps = data.test_steps(len(splits.test_images), global_batch)
 
+    skip = config.nan_policy == "skip"
     with strategy.scope():
         model = build_convnet(config.dropout, config.sync_batch_norm, seed=config.seed)
-        optimizer = keras.optimizers.Adam(config.learning_rate)
+        adam = keras.optimizers.Adam(config.learning_rate)
+        # Keras' loss-scale optimizer is what skips non-finite steps. Its scale starts at 1, only
+        # halves on a skipped step and never grows, and powers of two scale float32 exactly.
+        optimizer = keras.optimizers.LossScaleOptimizer(adam, initial_scale=1.0, dynamic_growth_steps=2**31 - 1) if skip else adam
         optimizer.build(model.trainable_variables)
-    checkpoints = Checkpoints(config.model_dir, model, optimizer, config.max_to_keep)
+    checkpoints = Checkpoints(config.model_dir, model, adam, config.max_to_keep)
     start = checkpoints.restore(config.resume)
-    optimizer.learning_rate.assign(config.learning_rate)  # the checkpoint's value would win otherwise
+    adam.learning_rate.assign(config.learning_rate)  # the checkpoint's value would win otherwise
 
     train_iterator = data.keep_for_process(iter(strategy.experimental_distribute_dataset(data.train_dataset(
         splits.train_images, splits.train_labels, global_batch, config.seed,
@@ -208,8 +238,8 @@ def _train_and_evaluate(config: Config) -> FitResult:
         return float(correct) / float(count)
 
     summaries = Summaries(config.log_dir)
-    loop = _Loop(config, make_train_function(strategy, model, optimizer, global_batch), evaluate,
-                 checkpoints, summaries, steps_per_epoch, global_batch)
+    loop = _Loop(config, make_train_function(strategy, model, optimizer, global_batch, skip), evaluate,
+                 checkpoints, summaries, steps_per_epoch, global_batch, adam.iterations)
     try:
         history = loop.run(start, train_iterator)
     finally:

@@ -136,3 +136,75 @@ def test_truncated_checkpoint_is_named_and_left_alone(shared_idx_dir, tmp_path):
         _fit(shared_idx_dir, model_dir=str(model_dir), resume=True, epochs=2)
     assert f"{model_dir}/ckpt-1: cannot restore this checkpoint" in str(e.value)
     assert {p.name: p.read_bytes() for p in model_dir.iterdir() if p.is_file()} == before
+
+
+def _poison_every_third_batch(monkeypatch):
+    """Makes the images of every batch whose label sum is a multiple of 3 NaN (a poisoned batch)."""
+    import tensorflow as tf
+
+    from gpupar import data
+
+    normalise = data._normalise
+
+    def poisoned(images, labels):
+        images, labels = normalise(images, labels)
+        bad = tf.equal(tf.reduce_sum(labels) % 3, 0) & tf.greater(tf.shape(labels)[0], 16)
+        return tf.where(bad, tf.constant(float("nan")), images), labels
+
+    monkeypatch.setattr(data, "_normalise", poisoned)
+
+
+def _poisoned_per_epoch(idx_dir, epochs, global_batch):
+    """How many of each epoch's batches the poison hits, read from the pipeline itself."""
+    from gpupar import data, idx
+
+    splits = idx.load_idx_dir(idx_dir)
+    per_epoch = len(splits.train_labels) // global_batch
+    ds = data.train_dataset(splits.train_images, splits.train_labels, global_batch, seed=0)
+    hits = [int(np.isnan(x.numpy()).any()) for x, _ in ds.take(epochs * per_epoch)]
+    return [sum(hits[e * per_epoch:(e + 1) * per_epoch]) for e in range(epochs)]
+
+
+@pytest.mark.parametrize("kind", ["one_device", "mirrored"])
+def test_nan_policy_skip_drops_poisoned_steps_and_keeps_training(shared_idx_dir, monkeypatch, kind):
+    _poison_every_third_batch(monkeypatch)
+    expected = _poisoned_per_epoch(shared_idx_dir, 2, 32)
+    assert 0 < sum(expected) < 16
+    result = _fit(shared_idx_dir, strategy=kind, virtual_cpus=2, batch_size=32 // (2 if kind == "mirrored" else 1),
+                  epochs=2, nan_policy="skip", display_step=1)
+    assert [r.skipped_steps for r in result.history] == expected
+    assert all(np.isfinite(w).all() for w in result.model.get_weights())  # BN statistics included
+    assert np.isfinite(result.history[1].train_loss) and result.test_accuracy > 0.0
+
+
+def test_nan_policy_stop_names_epoch_and_step(shared_idx_dir, monkeypatch, tmp_path):
+    _poison_every_third_batch(monkeypatch)
+    with pytest.raises(GpuparError, match=r"training loss became nan at epoch 0, step \d+; stopped without saving"):
+        _fit(shared_idx_dir, batch_size=32, epochs=2, display_step=1, model_dir=str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run" / "ckpt-1.index")
+
+
+def test_full_disk_during_a_save_keeps_the_last_checkpoint(shared_idx_dir, tmp_path):
+    import resource
+
+    model_dir = tmp_path / "run"
+    _fit(shared_idx_dir, model_dir=str(model_dir), epochs=1, steps_per_epoch=2)
+    before = {p.name: p.read_bytes() for p in model_dir.iterdir() if p.is_file() and p.name != ".gpupar.lock"}
+
+    def disk_nearly_full():
+        # Writes past 100 kB fail with EFBIG, as on a full disk; a checkpoint is ~700 kB.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    result = subprocess.run(
+        [sys.executable, "-m", "gpupar", f"--data_dir={shared_idx_dir}", f"--model_dir={model_dir}", "--resume",
+         "--epochs=2", "--steps_per_epoch=2", "--batch_size=16", "--dropout=0"],
+        capture_output=True, text=True, timeout=300, preexec_fn=disk_nearly_full,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "could not write a checkpoint into" in last and f"the last complete checkpoint {model_dir}/ckpt-1 is intact" in last
+    after = {p.name: p.read_bytes() for p in model_dir.iterdir() if p.is_file() and p.name != ".gpupar.lock"}
+    assert {k: after[k] for k in before} == before
+    assert _fit(shared_idx_dir, model_dir=str(model_dir), resume=True, epochs=1).start_epoch == 1

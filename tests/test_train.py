@@ -98,8 +98,10 @@ def test_checkpoint_of_another_model_is_a_clear_error(shared_idx_dir, tmp_path):
     model_dir = tmp_path / "other"
     tf.train.Checkpoint(model=tf.Module()).save(str(model_dir / "ckpt"))
     path = str(model_dir / "ckpt-1")
-    with pytest.raises(GpuparError, match="cannot restore this checkpoint"):
+    before = {p.name: p.read_bytes() for p in model_dir.iterdir()}
+    with pytest.raises(GpuparError, match="cannot restore this checkpoint into the model"):
         _fit(shared_idx_dir, resume=path, batch_size=16)
+    assert {p.name: p.read_bytes() for p in model_dir.iterdir()} == before
 
 
 def test_nan_loss_stops_without_overwriting_the_last_checkpoint(shared_idx_dir, tmp_path):
@@ -131,7 +133,8 @@ def test_tensorboard_and_metrics_json(shared_idx_dir, tmp_path):
         assert tags[tag] == [0, 1]
     saved = json.load(open(metrics))
     assert saved["test_accuracy"] == result.test_accuracy and len(saved["history"]) == 2
-    assert set(saved["history"][0]) == {"epoch", "train_loss", "train_accuracy", "test_accuracy", "seconds", "images_per_second", "steps"}
+    assert set(saved["history"][0]) == {"epoch", "train_loss", "train_accuracy", "test_accuracy", "seconds",
+                                        "images_per_second", "steps", "skipped_steps"}
 
 
 def test_fit_on_tfds_mock_data():
