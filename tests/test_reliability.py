@@ -90,6 +90,25 @@ def test_sigterm_saves_exits_143_and_resume_finishes(shared_idx_dir, tmp_path, r
     assert _close(_weights(model_dir, shared_idx_dir), reference)
 
 
+def test_second_signal_exits_at_once_without_saving():
+    script = (
+        "import os, signal, time\n"
+        "from gpupar.interrupt import StopRequests\n"
+        "with StopRequests() as stop:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(0.2)\n"
+        "    print('first:', stop.signum, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(5)\n"
+        "    print('not reached')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 130
+    assert "SIGINT received: saving a checkpoint at the next step boundary" in result.stdout
+    assert f"first: {int(signal.SIGINT)}" in result.stdout and "not reached" not in result.stdout
+    assert "SIGINT again: exiting now, without saving" in result.stderr
+
+
 def test_sigkill_at_random_moments_loses_at_most_the_steps_since_the_last_checkpoint(shared_idx_dir, tmp_path, reference):
     model_dir = str(tmp_path / "run")
     rng = random.Random(7)
