@@ -1,6 +1,8 @@
 """The `gpupar` command: absl flags, one per Config field, then one training run.
 
     gpupar --dataset=fashion_mnist --data_dir=/usr/share/datasets/fashion-mnist --epochs=5
+    gpupar devices [--virtual_cpus=2] [--gpus=0,1] [--json]    # what TF sees, what auto picks
+    gpupar plot runs/m/metrics.json -o curves.png               # curves from --metrics_json
     gpupar --strategy=mirrored --virtual_cpus=2 --dataset=fashion_mnist \
         --data_dir=/usr/share/datasets/fashion-mnist --model_dir=runs/m --resume
     python -m gpupar --helpfull
@@ -48,6 +50,35 @@ def _define_flags():
 
 
 _define_flags()
+flags.DEFINE_boolean("json", False, "gpupar devices: print JSON instead of text.")
+flags.DEFINE_string("output", "curves.png", "gpupar plot: the PNG to write.", short_name="o")
+COMMANDS = ("devices", "plot")
+
+
+def _error(message, status):
+    print(f"gpupar: error: {message}", file=sys.stderr)
+    return status
+
+
+def _plot(args):
+    from gpupar import plot
+
+    if len(args) != 1:
+        return _error("usage: gpupar plot METRICS.json -o OUTPUT.png (one metrics file)", 2)
+    try:
+        plot.plot_history(plot.load_history(args[0]), FLAGS.output)
+    except GpuparError as e:
+        return _error(e, 1)
+    print(f"wrote {FLAGS.output}")
+    return 0
+
+
+def _devices(config):
+    from gpupar import device_report
+
+    report = device_report.collect_report(config)
+    print(device_report.to_json(report) if FLAGS.json else device_report.format_report(report))
+    return 0
 
 
 def config_from_flags() -> Config:
@@ -58,17 +89,27 @@ def config_from_flags() -> Config:
 
 
 def main(argv):
-    """Validates the flags into a Config, then trains; errors become one line and an exit status."""
-    if len(argv) > 1:
-        print(f"gpupar: error: unexpected argument(s) {' '.join(argv[1:])}; flags look like --epochs=5", file=sys.stderr)
-        return 2
+    """Runs a command, or by default validates the flags into a Config and trains.
+
+    Errors become one line on stderr and an exit status.
+    """
     if not FLAGS["verbosity"].present:
         absl_logging.set_verbosity(absl_logging.WARNING)  # TensorFlow's INFO lines drown ours.
+    command, args = (argv[1], argv[2:]) if len(argv) > 1 else (None, [])
+    if command == "plot":
+        return _plot(args)
+    if command is not None and command not in COMMANDS:
+        return _error(
+            f"unexpected argument {command!r}; commands are {', '.join(COMMANDS)} (or none, to train), "
+            "and flags look like --epochs=5", 2)
+    if args:
+        return _error(f"unexpected argument(s) {' '.join(args)} after {command}", 2)
     try:
         config = config_from_flags()
     except GpuparError as e:
-        print(f"gpupar: error: {e}", file=sys.stderr)
-        return 2
+        return _error(e, 2)
+    if command == "devices":
+        return _devices(config)
     from gpupar.interrupt import TrainingInterrupted
     from gpupar.train import train_and_evaluate
 
@@ -78,8 +119,7 @@ def main(argv):
         print(f"gpupar: {e}", file=sys.stderr)
         return e.exit_status
     except GpuparError as e:
-        print(f"gpupar: error: {e}", file=sys.stderr)
-        return 1
+        return _error(e, 1)
     return 0
 
 

@@ -9,11 +9,13 @@ NUM_CLASSES = 10
 
 
 @contextlib.contextmanager
-def replica_mean_statistics():
-    """Makes non-trainable float variables (batch-norm moving statistics) average across replicas.
+def replica_consistent_state():
+    """Gives non-trainable variables an aggregation that every strategy can update per replica.
 
-    Keras creates them with aggregation NONE: under MirroredStrategy each replica would then keep
-    its own diverging copy, and CentralStorageStrategy refuses to update them at all.
+    Keras creates them with aggregation NONE: under MirroredStrategy each replica would keep its
+    own diverging copy, and CentralStorageStrategy refuses to update them at all. Float ones
+    (batch-norm moving statistics) average across replicas; others (dropout's seed-generator
+    state, which advances alike on every replica) take the first replica's value.
     """
 
     def creator(next_creator, **kwargs):
@@ -21,10 +23,12 @@ def replica_mean_statistics():
         if (
             not kwargs.get("trainable", True)
             and dtype is not None
-            and tf.as_dtype(dtype).is_floating
             and kwargs.get("aggregation") in (None, tf.VariableAggregation.NONE)
         ):
-            kwargs["aggregation"] = tf.VariableAggregation.MEAN
+            floating = tf.as_dtype(dtype).is_floating
+            kwargs["aggregation"] = (
+                tf.VariableAggregation.MEAN if floating else tf.VariableAggregation.ONLY_FIRST_REPLICA
+            )
         return next_creator(**kwargs)
 
     with tf.variable_creator_scope(creator):
@@ -55,7 +59,7 @@ def build_convnet(dropout: float = 0.5, sync_batch_norm: bool = False, l2: float
             keras.layers.MaxPooling2D(2),
         ]
 
-    with replica_mean_statistics():
+    with replica_consistent_state():
         return keras.Sequential(
             [
                 keras.Input((28, 28, 1)),

@@ -72,7 +72,7 @@ def test_unknown_flag_and_bad_type_fail_before_any_work():
 
 def test_stray_argument_is_an_error():
     result = _gpupar("train")
-    assert result.returncode == 2 and "unexpected argument(s) train" in result.stderr
+    assert result.returncode == 2 and "unexpected argument 'train'; commands are devices, plot" in result.stderr
 
 
 def test_training_failure_is_one_line_and_exit_1(idx_dir):

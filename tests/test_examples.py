@@ -17,4 +17,4 @@ def test_example_runs_in_quick_mode(script):
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "test accuracy" in result.stdout
+    assert result.stdout.strip()  # each example prints what it showed

@@ -42,6 +42,12 @@ def test_two_replicas_give_the_same_update_as_one_device(shared_idx_dir, kind):
     assert abs(one.history[0].train_loss - two.history[0].train_loss) < 1e-4
 
 
+@pytest.mark.parametrize("kind", ["mirrored", "central_storage"])
+def test_dropout_trains_under_every_multi_device_kind(shared_idx_dir, kind):
+    result = _fit(shared_idx_dir, strategy=kind, virtual_cpus=2, batch_size=16, dropout=0.5)
+    assert all(np.isfinite(w).all() for w in result.model.get_weights())
+
+
 def test_per_replica_batch_norm_is_not_the_same_update(shared_idx_dir):
     """Control for the test above: without synchronized BN the replicas normalise by their half."""
     one = _fit(shared_idx_dir, strategy="one_device", batch_size=32)
