@@ -96,12 +96,14 @@ def make_test_function(strategy, model):
     return _summed_over_steps(strategy, replica_step)
 
 
-def _check_finite(loss, epoch, step, checkpoint):
+def _check_finite(loss, epoch, first_step, last_step, checkpoint):
+    """Raises when the loss of steps first_step..last_step (1-based, in the epoch) is not finite."""
     if not math.isfinite(loss):
         kept = f"the last good checkpoint {checkpoint} is kept" if checkpoint else "no checkpoint was written"
+        where = f"step {last_step}" if first_step == last_step else f"one of steps {first_step}..{last_step}"
         raise GpuparError(
-            f"training loss became {loss} at epoch {epoch}, step {step}; stopped without saving "
-            f"({kept}). Lower learning_rate or check the input data."
+            f"training loss became {loss} at epoch {epoch}, {where}; stopped without saving "
+            f"({kept}). Lower learning_rate, check the input data, or pass nan_policy=skip."
         )
 
 
@@ -140,13 +142,13 @@ class _Loop:
             step += num_steps
             loss_total += float(loss_sum)
             correct_total += float(correct_sum)
+            _check_finite(loss_total, epoch, step - num_steps + 1, step, self.checkpoints.latest)
             if _crosses(step - num_steps, step, c.display_step) or step == spe or stop.signum:
                 now, done = time.perf_counter(), step - shown_step
                 if c.nan_policy == "skip":
                     skipped = step - first_step - (int(self.updates.numpy()) - updates_before)
                 kept = max(done - (skipped - shown_skipped), 1)
                 loss = (loss_total - shown_loss) / kept
-                _check_finite(loss, epoch, step, self.checkpoints.latest)
                 log.info(
                     "Epoch:[%d] [%d / %d] loss: %.4f, acc: %.4f, %s img/s%s", epoch, step, spe, loss,
                     (correct_total - shown_correct) / (kept * gb), f"{done * gb / (now - shown_time):,.0f}",
@@ -156,7 +158,6 @@ class _Loop:
                 self.summaries.step(epoch * spe + step, loss)
                 shown_step, shown_time, shown_loss, shown_correct = step, now, loss_total, correct_total
             if step < spe and (stop.signum or _crosses(step - num_steps, step, c.checkpoint_every_steps)):
-                _check_finite(loss_total / (step - first_step), epoch, step, self.checkpoints.latest)
                 path = self.checkpoints.save_step(Position(epoch, step), epoch * spe + step)
                 if stop.signum:
                     raise TrainingInterrupted(stop.signum, path)

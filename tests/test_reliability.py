@@ -198,8 +198,13 @@ def test_nan_policy_skip_drops_poisoned_steps_and_keeps_training(shared_idx_dir,
 
 def test_nan_policy_stop_names_epoch_and_step(shared_idx_dir, monkeypatch, tmp_path):
     _poison_every_third_batch(monkeypatch)
-    with pytest.raises(GpuparError, match=r"training loss became nan at epoch 0, step \d+; stopped without saving"):
-        _fit(shared_idx_dir, batch_size=32, epochs=2, display_step=1, model_dir=str(tmp_path / "run"))
+    from gpupar import data, idx
+
+    splits = idx.load_idx_dir(shared_idx_dir)
+    batches = data.train_dataset(splits.train_images, splits.train_labels, 32, seed=0).take(8)
+    first_bad = 1 + [bool(np.isnan(x.numpy()).any()) for x, _ in batches].index(True)
+    with pytest.raises(GpuparError, match=rf"training loss became nan at epoch 0, step {first_bad}; stopped without saving"):
+        _fit(shared_idx_dir, batch_size=32, epochs=2, display_step=100, model_dir=str(tmp_path / "run"))
     assert not os.path.exists(tmp_path / "run" / "ckpt-1.index")
 
 
