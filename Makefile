@@ -29,7 +29,7 @@ train: venv data
 test: venv data
 	$(VENV)/bin/python -m pytest -q
 
-test-fast: venv
+test-fast: venv data
 	$(VENV)/bin/python -m pytest -q -m "not slow"
 
 bench: venv data

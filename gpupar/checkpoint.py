@@ -15,10 +15,25 @@ WITHIN_EPOCH = "within_epoch"
 
 @dataclasses.dataclass(frozen=True)
 class Position:
-    """Where training stands: `epoch` epochs complete, plus `step` steps of the next one."""
+    """Where training stands: `epoch` epochs complete, plus `step` steps of the next one.
+
+    `global_batch` is the batch those steps had (0 where unknown: nothing restored yet).
+    """
 
     epoch: int = 0
     step: int = 0
+    global_batch: int = 0
+
+    def rebatched(self, global_batch: int, steps_per_epoch: int) -> "Position":
+        """The same point for a run with another global batch or epoch length.
+
+        Mid-epoch, the examples already seen decide the step; the data order from there on is
+        then not the one an uninterrupted run would have seen.
+        """
+        step = self.step
+        if step and self.global_batch and self.global_batch != global_batch:
+            step = step * self.global_batch // global_batch
+        return Position(self.epoch, min(step, steps_per_epoch - 1) if step else 0, global_batch)
 
 
 class Checkpoints:
@@ -31,10 +46,15 @@ class Checkpoints:
     with N replicas restores into any other replica count.
     """
 
-    def __init__(self, model_dir: Optional[str], model, optimizer, max_to_keep: Optional[int] = None):
+    def __init__(self, model_dir: Optional[str], model, optimizer, max_to_keep: Optional[int] = None,
+                 global_batch: int = 0):
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step_in_epoch")
-        self.checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=self.epoch, step=self.step)
+        self.global_batch = tf.Variable(global_batch, dtype=tf.int64, trainable=False, name="global_batch")
+        self.run_global_batch = global_batch
+        self.checkpoint = tf.train.Checkpoint(
+            model=model, optimizer=optimizer, epoch=self.epoch, step=self.step, global_batch=self.global_batch
+        )
         self.epochs = self.steps = None
         if model_dir is not None:
             self.epochs = tf.train.CheckpointManager(self.checkpoint, model_dir, max_to_keep=max_to_keep)
@@ -52,7 +72,7 @@ class Checkpoints:
                 f"{str(e).splitlines()[0]}); it was written by another model or is damaged. "
                 "Nothing was changed on disk; resume from an older checkpoint or use a new model_dir"
             ) from None
-        return Position(int(self.epoch.numpy()), int(self.step.numpy()))
+        return Position(int(self.epoch.numpy()), int(self.step.numpy()), int(self.global_batch.numpy()))
 
     def restore(self, resume) -> Position:
         """Restores per `resume` (False, True for the newest in model_dir, or a path)."""
@@ -82,6 +102,7 @@ class Checkpoints:
             return None
         self.epoch.assign(position.epoch)
         self.step.assign(position.step)
+        self.global_batch.assign(self.run_global_batch)
         try:
             self.latest = manager.save(checkpoint_number=number)
         except (OSError, tf.errors.OpError) as e:

@@ -76,7 +76,10 @@ def _plot(args):
 def _devices(config):
     from gpupar import device_report
 
-    report = device_report.collect_report(config)
+    try:
+        report = device_report.collect_report(config)
+    except GpuparError as e:
+        return _error(e, 1)
     print(device_report.to_json(report) if FLAGS.json else device_report.format_report(report))
     return 0
 

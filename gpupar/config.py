@@ -131,6 +131,10 @@ def field_help():
 def _parse_gpus(gpus):
     if gpus is None or gpus == "":
         return None
+    if isinstance(gpus, int) and not isinstance(gpus, bool):
+        gpus = [gpus]
+    if not isinstance(gpus, (str, list, tuple)):
+        raise GpuparError(f"gpus={gpus!r}: give GPU indices as '0,1', [0, 1] or 0")
     items = gpus.split(",") if isinstance(gpus, str) else list(gpus)
     parsed = []
     for item in items:
@@ -146,6 +150,8 @@ def _parse_gpus(gpus):
 def _parse_devices(devices):
     if devices is None or devices == "":
         return None
+    if not isinstance(devices, (str, list, tuple)):
+        raise GpuparError(f"devices={devices!r}: give device names as '/gpu:0,/gpu:1' or a list of them")
     items = devices.split(",") if isinstance(devices, str) else list(devices)
     names = tuple(str(d).strip() for d in items)
     for name in names:
@@ -226,9 +232,24 @@ def _validate(c: Config):
             f"data_dir={c.data_dir!r} does not exist or is not a folder; point it at the folder "
             "holding train-images-idx3-ubyte[.gz] and the other three IDX files",
         )
+    for name in ("log_dir", "metrics_json"):
+        path = getattr(c, name)
+        if path is not None:
+            _check(_can_create(path), f"{name}={path!r} cannot be written; choose a path in a folder you can write")
     if c.checkpoint_every_steps is not None:
         _check(c.model_dir is not None, "checkpoint_every_steps needs model_dir, the folder to save into")
     _validate_resume(c)
+
+
+def _can_create(path: str) -> bool:
+    """True when path exists and is writable, or its nearest existing ancestor is a writable folder."""
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        return os.access(path, os.W_OK)
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    return os.path.isdir(parent) and os.access(parent, os.W_OK)
 
 
 def _validate_resume(c: Config):
@@ -247,7 +268,7 @@ def _validate_resume(c: Config):
         )
     if c.model_dir is not None and c.resume is False:
         _check(
-            not os.path.exists(os.path.join(c.model_dir, "checkpoint")),
+            not any(os.path.exists(os.path.join(c.model_dir, *sub, "checkpoint")) for sub in ((), ("within_epoch",))),
             f"model_dir={c.model_dir!r} already holds checkpoints; pass resume=True (--resume) to "
             "continue from the latest, or choose an empty model_dir so nothing is overwritten",
         )

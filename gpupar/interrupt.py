@@ -1,14 +1,11 @@
 """SIGINT and SIGTERM become a request to stop at the next step boundary, after a checkpoint."""
 
-import logging
 import os
 import signal
-import sys
 import threading
 
 from gpupar.errors import GpuparError
 
-log = logging.getLogger("gpupar")
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -23,7 +20,11 @@ class TrainingInterrupted(GpuparError):
 
 
 class StopRequests:
-    """While active, the first SIGINT/SIGTERM sets `signum`; a second one exits at once."""
+    """While active, the first SIGINT/SIGTERM sets `signum`; a second one exits at once.
+
+    The handler only records the signal (printing from it could collide with a write in
+    progress); the training loop reports it. The second signal exits with the first's status.
+    """
 
     def __init__(self):
         self.signum = None
@@ -31,12 +32,9 @@ class StopRequests:
 
     def _handle(self, signum, _frame):
         if self.signum is not None:
-            sys.stderr.write(f"gpupar: {signal.Signals(signum).name} again: exiting now, without saving\n")
-            sys.stderr.flush()
-            os._exit(128 + signum)
+            os.write(2, f"gpupar: {signal.Signals(signum).name} again: exiting now, without saving\n".encode())
+            os._exit(128 + self.signum)
         self.signum = signum
-        log.info("%s received: saving a checkpoint at the next step boundary (send it again to quit at once)",
-                 signal.Signals(signum).name)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # signals reach only the main thread

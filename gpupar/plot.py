@@ -49,5 +49,9 @@ def plot_history(history, output: str):
     for axes in (loss, accuracy, speed):
         axes.grid(alpha=0.3)
     figure.tight_layout()
-    figure.savefig(output, dpi=DPI)
-    plt.close(figure)
+    try:
+        figure.savefig(output, dpi=DPI)
+    except OSError as e:
+        raise GpuparError(f"{output}: cannot write the plot ({e.strerror})") from None
+    finally:
+        plt.close(figure)

@@ -5,6 +5,8 @@ import json
 import os
 from typing import Any, List, Optional
 
+from gpupar.errors import GpuparError
+
 
 @dataclasses.dataclass(frozen=True)
 class EpochRecord:
@@ -73,9 +75,30 @@ class FitResult:
         }
 
     def write_json(self, path: str):
-        """Writes metrics() to path, creating its folder."""
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(self.metrics(), f, indent=2)
-            f.write("\n")
+        """Writes metrics() to path, creating its folder.
+
+        A resumed run keeps the earlier epochs that the file already holds, so the history in it
+        covers the whole training, not only this run.
+        """
+        metrics = self.metrics()
+        metrics["history"] = _earlier_epochs(path, self.start_epoch) + metrics["history"]
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump(metrics, f, indent=2)
+                f.write("\n")
+            os.replace(path + ".tmp", path)  # never leaves a half-written file
+        except OSError as e:
+            raise GpuparError(f"{path}: cannot write the metrics ({e.strerror})") from None
+
+
+def _earlier_epochs(path: str, start_epoch: int) -> list:
+    """The records of epochs before start_epoch from an existing metrics file, else []."""
+    if start_epoch == 0 or not os.path.exists(path):
+        return []
+    try:
+        with open(path) as f:
+            history = json.load(f).get("history", [])
+        return [r for r in history if isinstance(r, dict) and r.get("epoch", start_epoch) < start_epoch]
+    except (OSError, ValueError, AttributeError):
+        return []

@@ -2,6 +2,7 @@
 
 import logging
 import math
+import signal
 import time
 
 import keras
@@ -48,7 +49,8 @@ def _summed_over_steps(strategy, replica_step):
 def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonfinite: bool = False):
     """Returns train(iterator, num_steps) -> (sum of step losses, correct predictions).
 
-    It runs num_steps synchronous steps inside one tf.function call. With skip_nonfinite the
+    It runs num_steps synchronous steps inside one tf.function call. A step whose gradient is not
+    finite reports a NaN loss, so the loop stops on it. With skip_nonfinite the
     optimizer must be a keras.optimizers.LossScaleOptimizer: a step whose loss or gradient is
     not finite on any replica is then dropped on all of them (no update, batch-norm statistics
     restored) and adds nothing to the sums.
@@ -67,8 +69,8 @@ def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonf
             differentiated = optimizer.scale_loss(loss) if skip_nonfinite else loss
         grads = tape.gradient(differentiated, model.trainable_variables)
         correct = _correct(logits, labels)
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads] + [tf.math.is_finite(loss)])
         if skip_nonfinite:
-            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads] + [tf.math.is_finite(loss)])
             bad = tf.distribute.get_replica_context().all_reduce(SUM, 1.0 - tf.cast(finite, tf.float32)) > 0
             # The loss-scale optimizer skips non-finite gradients but decides from one replica's:
             # poison every replica's so they all agree.
@@ -81,6 +83,9 @@ def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonf
         # cross-device ops) and then applies one identical Adam update on every replica.
         # Reducing them here as well would make every update num_replicas times too large.
         optimizer.apply(grads, model.trainable_variables)
+        if not skip_nonfinite:
+            # A non-finite gradient with a finite loss must stop training as well: report NaN.
+            loss = tf.where(finite, loss, tf.constant(float("nan")))
         return loss, correct
 
     return _summed_over_steps(strategy, replica_step)
@@ -115,9 +120,11 @@ def _crosses(before: int, after: int, every) -> bool:
 class _Loop:
     """The outer loop: epochs of K-step calls, progress lines, evaluation, checkpoints, summaries."""
 
-    def __init__(self, config, train, evaluate, checkpoints, summaries, steps_per_epoch, global_batch, updates):
+    def __init__(self, config, train, evaluate, checkpoints, summaries, steps_per_epoch, global_batch, updates,
+                 loss_scale=None):
         self.config, self.train, self.evaluate = config, train, evaluate
         self.updates = updates  # the optimizer's update counter; it stands still on skipped steps
+        self.loss_scale = loss_scale  # halved by each skipped step; put back to 1 after every call
         self.checkpoints, self.summaries = checkpoints, summaries
         self.steps_per_epoch, self.global_batch = steps_per_epoch, global_batch
 
@@ -137,8 +144,12 @@ class _Loop:
         shown_step, shown_time, shown_loss, shown_correct = step, started, 0.0, 0.0
         updates_before, skipped, shown_skipped = int(self.updates.numpy()), 0, 0
         while step < spe:
+            if stop.signum:
+                self._interrupt(stop, self.checkpoints.save_step(Position(epoch, step), epoch * spe + step))
             num_steps = self._chunk(step)
             loss_sum, correct_sum = self.train(train_iterator, tf.constant(num_steps))
+            if self.loss_scale is not None:
+                self.loss_scale.assign(1.0)
             step += num_steps
             loss_total += float(loss_sum)
             correct_total += float(correct_sum)
@@ -157,10 +168,8 @@ class _Loop:
                 shown_skipped = skipped
                 self.summaries.step(epoch * spe + step, loss)
                 shown_step, shown_time, shown_loss, shown_correct = step, now, loss_total, correct_total
-            if step < spe and (stop.signum or _crosses(step - num_steps, step, c.checkpoint_every_steps)):
-                path = self.checkpoints.save_step(Position(epoch, step), epoch * spe + step)
-                if stop.signum:
-                    raise TrainingInterrupted(stop.signum, path)
+            if step < spe and not stop.signum and _crosses(step - num_steps, step, c.checkpoint_every_steps):
+                self.checkpoints.save_step(Position(epoch, step), epoch * spe + step)
         seconds = time.perf_counter() - started
         steps = spe - first_step
         kept = max(steps - skipped, 1)
@@ -170,35 +179,39 @@ class _Loop:
             skipped_steps=skipped,
         )
 
-    def run(self, start: Position, train_iterator):
+    @staticmethod
+    def _interrupt(stop, saved):
+        log.info("%s received: %s", signal.Signals(stop.signum).name, f"saved {saved}" if saved else "nothing to save")
+        raise TrainingInterrupted(stop.signum, saved)
+
+    def run(self, start: Position, train_iterator, stop):
         """Trains from `start` to config.epochs; returns the EpochRecords."""
         history = []
         if start.epoch >= self.config.epochs:
             log.info("nothing to train: the checkpoint already holds %d epoch(s), epochs=%d",
                      start.epoch, self.config.epochs)
-        with StopRequests() as stop:
-            for epoch in range(start.epoch, self.config.epochs):
-                record = self.epoch(epoch, start.step if epoch == start.epoch else 0, train_iterator, stop)
-                history.append(record)
-                self.summaries.epoch(epoch, record)
-                saved = self.checkpoints.save_epoch(epoch + 1)
-                log.info(
-                    "Epoch:[%d] train loss: %.4f, train acc: %.4f, test acc: %.4f, %.1f s, %s img/s%s", epoch,
-                    record.train_loss, record.train_accuracy, record.test_accuracy, record.seconds,
-                    f"{record.images_per_second:,.0f}", f", saved {saved}" if saved else "",
-                )
-                if stop.signum:
-                    raise TrainingInterrupted(stop.signum, saved)
+        for epoch in range(start.epoch, self.config.epochs):
+            record = self.epoch(epoch, start.step if epoch == start.epoch else 0, train_iterator, stop)
+            history.append(record)
+            self.summaries.epoch(epoch, record)
+            saved = self.checkpoints.save_epoch(epoch + 1)
+            log.info(
+                "Epoch:[%d] train loss: %.4f, train acc: %.4f, test acc: %.4f, %.1f s, %s img/s%s", epoch,
+                record.train_loss, record.train_accuracy, record.test_accuracy, record.seconds,
+                f"{record.images_per_second:,.0f}", f", saved {saved}" if saved else "",
+            )
+            if stop.signum:
+                self._interrupt(stop, saved)
         return history
 
 
 def train_and_evaluate(config: Config) -> FitResult:
     """Trains the ConvNet as the config says, evaluating and checkpointing after every epoch."""
-    with ModelDirLock(config.model_dir):
-        return _train_and_evaluate(config)
+    with ModelDirLock(config.model_dir), StopRequests() as stop:
+        return _train_and_evaluate(config, stop)
 
 
-def _train_and_evaluate(config: Config) -> FitResult:
+def _train_and_evaluate(config: Config, stop) -> FitResult:
     started = time.perf_counter()
     configure_devices(config)
     plan = detected_plan(config.strategy, config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1)
@@ -207,6 +220,8 @@ def _train_and_evaluate(config: Config) -> FitResult:
     keras.utils.set_random_seed(config.seed)
 
     splits = data.load_splits(config.dataset, config.data_dir)
+    log.info("data: %d training and %d test images from %s", len(splits.train_labels), len(splits.test_labels),
+             config.data_dir or f"TFDS {config.dataset}")
     global_batch = config.batch_size * strategy.num_replicas_in_sync
     steps_per_epoch = data.batches_per_epoch(len(splits.train_images), global_batch)
     if config.steps_per_epoch is not None:
@@ -217,12 +232,18 @@ def _train_and_evaluate(config: Config) -> FitResult:
     with strategy.scope():
         model = build_convnet(config.dropout, config.sync_batch_norm, seed=config.seed)
         adam = keras.optimizers.Adam(config.learning_rate)
-        # Keras' loss-scale optimizer is what skips non-finite steps. Its scale starts at 1, only
-        # halves on a skipped step and never grows, and powers of two scale float32 exactly.
+        # Keras' loss-scale optimizer is what skips non-finite steps. Its scale starts at 1, halves
+        # on a skipped step (the loop puts it back to 1 after every call) and never grows; powers
+        # of two scale float32 exactly.
         optimizer = keras.optimizers.LossScaleOptimizer(adam, initial_scale=1.0, dynamic_growth_steps=2**31 - 1) if skip else adam
         optimizer.build(model.trainable_variables)
-    checkpoints = Checkpoints(config.model_dir, model, adam, config.max_to_keep)
-    start = checkpoints.restore(config.resume)
+    checkpoints = Checkpoints(config.model_dir, model, adam, config.max_to_keep, global_batch)
+    saved_at = checkpoints.restore(config.resume)
+    start = saved_at.rebatched(global_batch, steps_per_epoch)
+    if start.step != saved_at.step:
+        log.info("the checkpoint is %d steps of %d into epoch %d; with %d steps of %d per epoch now, this run "
+                 "continues at step %d, on a data order of its own", saved_at.step, saved_at.global_batch,
+                 saved_at.epoch, steps_per_epoch, global_batch, start.step)
     adam.learning_rate.assign(config.learning_rate)  # the checkpoint's value would win otherwise
 
     train_iterator = data.keep_for_process(iter(strategy.experimental_distribute_dataset(data.train_dataset(
@@ -240,9 +261,10 @@ def _train_and_evaluate(config: Config) -> FitResult:
 
     summaries = Summaries(config.log_dir)
     loop = _Loop(config, make_train_function(strategy, model, optimizer, global_batch, skip), evaluate,
-                 checkpoints, summaries, steps_per_epoch, global_batch, adam.iterations)
+                 checkpoints, summaries, steps_per_epoch, global_batch, adam.iterations,
+                 optimizer.dynamic_scale if skip else None)
     try:
-        history = loop.run(start, train_iterator)
+        history = loop.run(start, train_iterator, stop)
     finally:
         summaries.close()
     test_accuracy = history[-1].test_accuracy if history else evaluate()

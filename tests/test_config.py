@@ -47,6 +47,10 @@ def test_config_is_frozen():
         (dict(resume="/no/ckpt-3"), "no checkpoint there"),
         (dict(virtual_cpus=0), "virtual_cpus=0"),
         (dict(checkpoint_every_steps=10), "checkpoint_every_steps needs model_dir"),
+        (dict(gpus=1.5), "give GPU indices as"),
+        (dict(devices=3), "give device names as"),
+        (dict(metrics_json="/proc/version/m.json"), "metrics_json='/proc/version/m.json' cannot be written"),
+        (dict(log_dir="/proc/version/tb"), "log_dir='/proc/version/tb' cannot be written"),
         (dict(memory_growth="yes"), "memory_growth='yes'"),
     ],
 )
@@ -73,10 +77,14 @@ def test_lists_parse_from_strings_and_sequences():
     assert Config(gpus=[1]).gpus == (1,)
     assert Config(devices="/gpu:0,/GPU:1").devices == ("/gpu:0", "/GPU:1")
     assert Config(gpus="").gpus is None
+    assert Config(gpus=0).gpus == (0,)
 
 
-def test_existing_checkpoints_need_resume(tmp_path):
-    (tmp_path / "checkpoint").write_text('model_checkpoint_path: "ckpt-1"\n')
+@pytest.mark.parametrize("where", [(), ("within_epoch",)])
+def test_existing_checkpoints_need_resume(tmp_path, where):
+    folder = tmp_path.joinpath(*where)
+    folder.mkdir(exist_ok=True)
+    (folder / "checkpoint").write_text('model_checkpoint_path: "ckpt-1"\n')
     with pytest.raises(GpuparError, match="already holds checkpoints"):
         Config(model_dir=str(tmp_path))
     assert Config(model_dir=str(tmp_path), resume=True).resume is True

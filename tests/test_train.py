@@ -148,4 +148,4 @@ def test_fit_on_tfds_mock_data():
 
     with tfds.testing.mock_data(num_examples=64):
         result = gpupar.fit_mnist(dataset="mnist", epochs=1, batch_size=16, display_step=100)
-    assert result.history[0].steps == 4 and 0.0 <= result.test_accuracy <= 1.0
+    assert result.history[0].steps == 4 and result.global_batch == 16
