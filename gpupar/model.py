@@ -14,8 +14,8 @@ def replica_consistent_state():
 
     Keras creates them with aggregation NONE: under MirroredStrategy each replica would keep its
     own diverging copy, and CentralStorageStrategy refuses to update them at all. Float ones
-    (batch-norm moving statistics) average across replicas; others (dropout's seed-generator
-    state, which advances alike on every replica) take the first replica's value.
+    (batch-norm moving statistics) average across replicas; others (counters that advance alike on
+    every replica, such as ReplicaDropout's) take the first replica's value.
     """
 
     def creator(next_creator, **kwargs):
@@ -33,6 +33,37 @@ def replica_consistent_state():
 
     with tf.variable_creator_scope(creator):
         yield
+
+
+class ReplicaDropout(keras.layers.Layer):
+    """Dropout that draws a different mask on every replica.
+
+    Keras' Dropout reads one seed-generator state that is the same on every replica, so under
+    MirroredStrategy all replicas drop the same units of their examples. Here the mask comes from
+    (seed, call count, replica id) through stateless random ops; the call count is a variable, so
+    checkpoints carry it and a resumed run draws the masks an uninterrupted one would.
+    """
+
+    def __init__(self, rate: float, seed: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.rate, self.seed = rate, seed
+
+    def build(self, input_shape):
+        self.calls = self.add_weight(shape=(), dtype="int64", initializer="zeros", trainable=False, name="calls")
+
+    def call(self, inputs, training=False):
+        if not training or self.rate == 0:
+            return inputs
+        context = tf.distribute.get_replica_context()
+        replica = tf.cast(context.replica_id_in_sync_group if context else 0, tf.int64)
+        count = tf.convert_to_tensor(self.calls)
+        self.calls.assign_add(1)
+        seed = tf.stack([tf.constant(self.seed, tf.int64) * 1_000_003 + count, replica])
+        keep = tf.random.stateless_uniform(tf.shape(inputs), seed=seed) >= self.rate
+        return tf.where(keep, inputs / (1.0 - self.rate), tf.zeros_like(inputs))
+
+    def get_config(self):
+        return {**super().get_config(), "rate": self.rate, "seed": self.seed}
 
 
 def build_convnet(dropout: float = 0.5, sync_batch_norm: bool = False, l2: float = 5e-4, seed: int = 0):
@@ -72,7 +103,7 @@ def build_convnet(dropout: float = 0.5, sync_batch_norm: bool = False, l2: float
                 ),
                 batch_norm(),
                 keras.layers.ReLU(),
-                keras.layers.Dropout(dropout, seed=seed),
+                ReplicaDropout(dropout, seed=seed),
                 keras.layers.Dense(
                     NUM_CLASSES, kernel_initializer=init(), kernel_regularizer=keras.regularizers.L2(l2)
                 ),
