@@ -49,8 +49,7 @@ def _summed_over_steps(strategy, replica_step):
 def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonfinite: bool = False):
     """Returns train(iterator, num_steps) -> (sum of step losses, correct predictions).
 
-    It runs num_steps synchronous steps inside one tf.function call. A step whose gradient is not
-    finite reports a NaN loss, so the loop stops on it. With skip_nonfinite the
+    It runs num_steps synchronous steps inside one tf.function call. With skip_nonfinite the
     optimizer must be a keras.optimizers.LossScaleOptimizer: a step whose loss or gradient is
     not finite on any replica is then dropped on all of them (no update, batch-norm statistics
     restored) and adds nothing to the sums.
@@ -69,8 +68,8 @@ def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonf
             differentiated = optimizer.scale_loss(loss) if skip_nonfinite else loss
         grads = tape.gradient(differentiated, model.trainable_variables)
         correct = _correct(logits, labels)
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads] + [tf.math.is_finite(loss)])
         if skip_nonfinite:
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads] + [tf.math.is_finite(loss)])
             bad = tf.distribute.get_replica_context().all_reduce(SUM, 1.0 - tf.cast(finite, tf.float32)) > 0
             # The loss-scale optimizer skips non-finite gradients but decides from one replica's:
             # poison every replica's so they all agree.
@@ -83,9 +82,6 @@ def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonf
         # cross-device ops) and then applies one identical Adam update on every replica.
         # Reducing them here as well would make every update num_replicas times too large.
         optimizer.apply(grads, model.trainable_variables)
-        if not skip_nonfinite:
-            # A non-finite gradient with a finite loss must stop training as well: report NaN.
-            loss = tf.where(finite, loss, tf.constant(float("nan")))
         return loss, correct
 
     return _summed_over_steps(strategy, replica_step)
@@ -112,6 +108,17 @@ def _check_finite(loss, epoch, first_step, last_step, checkpoint):
         )
 
 
+def make_finite_check(model):
+    """Returns a tf.function telling whether every float weight of the model is finite."""
+    weights = [w for w in model.weights if tf.as_dtype(w.dtype).is_floating]
+
+    @tf.function
+    def all_finite():
+        return tf.reduce_all([tf.reduce_all(tf.math.is_finite(w)) for w in weights])
+
+    return all_finite
+
+
 def _crosses(before: int, after: int, every) -> bool:
     """True when a multiple of `every` lies in (before, after]."""
     return every is not None and after // every > before // every
@@ -121,12 +128,24 @@ class _Loop:
     """The outer loop: epochs of K-step calls, progress lines, evaluation, checkpoints, summaries."""
 
     def __init__(self, config, train, evaluate, checkpoints, summaries, steps_per_epoch, global_batch, updates,
-                 loss_scale=None):
+                 weights_finite, loss_scale=None):
         self.config, self.train, self.evaluate = config, train, evaluate
+        self.weights_finite = weights_finite
         self.updates = updates  # the optimizer's update counter; it stands still on skipped steps
         self.loss_scale = loss_scale  # halved by each skipped step; put back to 1 after every call
         self.checkpoints, self.summaries = checkpoints, summaries
         self.steps_per_epoch, self.global_batch = steps_per_epoch, global_batch
+
+    def _save(self, epoch, step, save):
+        """Saves through `save` unless a non-finite gradient has already spoilt the weights."""
+        if not bool(self.weights_finite()):
+            kept = self.checkpoints.latest
+            raise GpuparError(
+                f"the weights became non-finite (a NaN or Inf gradient) by epoch {epoch}, step {step}; "
+                f"stopped without saving ({f'the last good checkpoint {kept} is kept' if kept else 'no checkpoint was written'}). "
+                "Lower learning_rate, check the input data, or pass nan_policy=skip."
+            )
+        return save()
 
     def _chunk(self, step):
         """Steps in the next call: K, cut at the epoch end and at step-checkpoint boundaries."""
@@ -145,7 +164,8 @@ class _Loop:
         updates_before, skipped, shown_skipped = int(self.updates.numpy()), 0, 0
         while step < spe:
             if stop.signum:
-                self._interrupt(stop, self.checkpoints.save_step(Position(epoch, step), epoch * spe + step))
+                self._interrupt(stop, self._save(epoch, step, lambda: self.checkpoints.save_step(
+                    Position(epoch, step), epoch * spe + step)))
             num_steps = self._chunk(step)
             loss_sum, correct_sum = self.train(train_iterator, tf.constant(num_steps))
             if self.loss_scale is not None:
@@ -169,7 +189,7 @@ class _Loop:
                 self.summaries.step(epoch * spe + step, loss)
                 shown_step, shown_time, shown_loss, shown_correct = step, now, loss_total, correct_total
             if step < spe and not stop.signum and _crosses(step - num_steps, step, c.checkpoint_every_steps):
-                self.checkpoints.save_step(Position(epoch, step), epoch * spe + step)
+                self._save(epoch, step, lambda: self.checkpoints.save_step(Position(epoch, step), epoch * spe + step))
         seconds = time.perf_counter() - started
         steps = spe - first_step
         kept = max(steps - skipped, 1)
@@ -194,7 +214,7 @@ class _Loop:
             record = self.epoch(epoch, start.step if epoch == start.epoch else 0, train_iterator, stop)
             history.append(record)
             self.summaries.epoch(epoch, record)
-            saved = self.checkpoints.save_epoch(epoch + 1)
+            saved = self._save(epoch, self.steps_per_epoch, lambda: self.checkpoints.save_epoch(epoch + 1))
             log.info(
                 "Epoch:[%d] train loss: %.4f, train acc: %.4f, test acc: %.4f, %.1f s, %s img/s%s", epoch,
                 record.train_loss, record.train_accuracy, record.test_accuracy, record.seconds,
@@ -262,7 +282,7 @@ def _train_and_evaluate(config: Config, stop) -> FitResult:
     summaries = Summaries(config.log_dir)
     loop = _Loop(config, make_train_function(strategy, model, optimizer, global_batch, skip), evaluate,
                  checkpoints, summaries, steps_per_epoch, global_batch, adam.iterations,
-                 optimizer.dynamic_scale if skip else None)
+                 make_finite_check(model), optimizer.dynamic_scale if skip else None)
     try:
         history = loop.run(start, train_iterator, stop)
     finally:

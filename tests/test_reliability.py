@@ -265,3 +265,22 @@ def test_mid_epoch_checkpoint_resumes_with_another_global_batch(shared_idx_dir, 
     result = _fit(shared_idx_dir, model_dir=model_dir, resume=path, strategy="mirrored", virtual_cpus=2)
     assert result.start_epoch == 0 and result.history[0].steps == 5
     assert "continues at step 3, on a data order of its own" in capsys.readouterr().out
+
+
+def test_nan_gradient_behind_a_finite_loss_is_never_saved(shared_idx_dir, monkeypatch, tmp_path):
+    import keras
+    import tensorflow as tf
+
+    cross_entropy = keras.losses.sparse_categorical_crossentropy
+
+    @tf.custom_gradient
+    def nan_backward(x):
+        return tf.identity(x), lambda dy: dy * float("nan")
+
+    def finite_loss_nan_gradient(labels, logits, from_logits):
+        return cross_entropy(labels, nan_backward(logits), from_logits=from_logits)
+
+    monkeypatch.setattr(keras.losses, "sparse_categorical_crossentropy", finite_loss_nan_gradient)
+    with pytest.raises(GpuparError, match=r"the weights became non-finite \(a NaN or Inf gradient\) by epoch 0, step 1"):
+        _fit(shared_idx_dir, steps_per_epoch=1, model_dir=str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run" / "ckpt-1.index")
