@@ -33,6 +33,7 @@ from gpupar.devices import configure_devices  # noqa: E402
 from gpupar.errors import GpuparError  # noqa: E402
 from gpupar.model import build_convnet  # noqa: E402
 from gpupar.strategy import build_strategy, detected_plan  # noqa: E402
+from gpupar.teardown import exit_without_teardown, keep_for_process  # noqa: E402
 from gpupar.train import make_train_function  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -95,7 +96,7 @@ def bench_strategy(num_replicas, splits, batch_size, steps, repeats):
             metrics=["accuracy"],
         )
     train = make_train_function(strategy, ours, optimizer, global_batch)
-    iterator = data.keep_for_process(iter(strategy.experimental_distribute_dataset(dataset)))
+    iterator = keep_for_process(iter(strategy.experimental_distribute_dataset(dataset)))
 
     def run_ours(steps_per_call, calls):
         for _ in range(calls):
@@ -219,10 +220,7 @@ def main(argv):
 
 
 def _main_and_exit(argv):
-    status = main(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)  # skips teardown, where destroying tf.data iterators can block (see data.keep_for_process)
+    exit_without_teardown(main(argv))
 
 
 def run():

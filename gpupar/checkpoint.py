@@ -63,36 +63,39 @@ class Checkpoints:
             )
         self.latest = None
 
-    def _restore(self, path) -> Position:
+    @staticmethod
+    def _unreadable(path, error):
+        return GpuparError(
+            f"{path}: cannot restore this checkpoint into the model ({type(error).__name__}: "
+            f"{str(error).splitlines()[0]}); it was written by another model or is damaged. "
+            "Nothing was changed on disk; resume from an older checkpoint or use a new model_dir"
+        )
+
+    def _position_in(self, path) -> tuple:
+        """(epoch, step) stored in a checkpoint, read without restoring it."""
         try:
-            self.checkpoint.restore(path).assert_existing_objects_matched()
-        except (AssertionError, IndexError, ValueError, tf.errors.OpError) as e:
-            raise GpuparError(
-                f"{path}: cannot restore this checkpoint into the model ({type(e).__name__}: "
-                f"{str(e).splitlines()[0]}); it was written by another model or is damaged. "
-                "Nothing was changed on disk; resume from an older checkpoint or use a new model_dir"
-            ) from None
-        return Position(int(self.epoch.numpy()), int(self.step.numpy()), int(self.global_batch.numpy()))
+            reader = tf.train.load_checkpoint(path)
+            return tuple(int(reader.get_tensor(f"{name}/.ATTRIBUTES/VARIABLE_VALUE")) for name in ("epoch", "step"))
+        except (IndexError, ValueError, tf.errors.OpError) as e:
+            raise self._unreadable(path, e) from None
 
     def restore(self, resume) -> Position:
-        """Restores per `resume` (False, True for the newest in model_dir, or a path)."""
+        """Restores per `resume` (False, True for the one further along in model_dir, or a path)."""
         if resume is False:
             return Position()
         if isinstance(resume, str):
-            candidates = [resume]
+            path = resume
         else:
             candidates = [p for p in (self.epochs.latest_checkpoint, self.steps.latest_checkpoint) if p]
-        if not candidates:
-            log.info("resume: no checkpoint in %s yet, starting from scratch", self.epochs.directory)
-            return Position()
-        best = None
-        for path in candidates:
-            position = self._restore(path)
-            if best is None or (position.epoch, position.step) > (best[1].epoch, best[1].step):
-                best = (path, position)
-        path, position = best
-        if path != candidates[-1]:
-            position = self._restore(path)
+            if not candidates:
+                log.info("resume: no checkpoint in %s yet, starting from scratch", self.epochs.directory)
+                return Position()
+            path = max(candidates, key=self._position_in)
+        try:
+            self.checkpoint.restore(path).assert_existing_objects_matched()
+        except (AssertionError, IndexError, ValueError, tf.errors.OpError) as e:
+            raise self._unreadable(path, e) from None
+        position = Position(int(self.epoch.numpy()), int(self.step.numpy()), int(self.global_batch.numpy()))
         self.latest = path
         log.info("resumed from %s after %d epoch(s) and %d step(s)", path, position.epoch, position.step)
         return position

@@ -12,7 +12,6 @@ Exit status: 0 on success, 1 when training fails with a gpupar error, 2 for a ba
 """
 
 import dataclasses
-import os
 import sys
 import typing
 
@@ -21,6 +20,7 @@ from absl import logging as absl_logging
 
 from gpupar.config import Config, field_help
 from gpupar.errors import GpuparError
+from gpupar.teardown import exit_without_teardown
 
 FLAGS = flags.FLAGS
 _DEFAULTS = Config()
@@ -127,12 +127,7 @@ def main(argv):
 
 
 def _main_and_exit(argv):
-    status = main(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skips interpreter teardown, where destroying tf.data iterators can block for many
-    # seconds (see data.keep_for_process); all output is flushed and checkpoints are closed.
-    os._exit(status)
+    exit_without_teardown(main(argv))
 
 
 def run():

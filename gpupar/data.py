@@ -53,21 +53,6 @@ def _options():
     return options
 
 
-_PROCESS_ITERATORS = []
-
-
-def keep_for_process(iterator):
-    """Keeps a distributed iterator alive until the process ends, and returns it.
-
-    TensorFlow 2.21 blocks when a distributed iterator is destroyed until its tf.data autotune
-    thread next wakes up, which after a few minutes of training is tens of seconds (seen 5-35 s
-    here). Kept alive, that cost is never paid while the process works; the CLI then leaves
-    with os._exit.
-    """
-    _PROCESS_ITERATORS.append(iterator)
-    return iterator
-
-
 def batches_per_epoch(num_examples: int, global_batch: int) -> int:
     """Full global batches in one pass over the training set."""
     if num_examples < global_batch:

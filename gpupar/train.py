@@ -18,6 +18,7 @@ from gpupar.model import build_convnet
 from gpupar.result import EpochRecord, FitResult
 from gpupar.strategy import build_strategy, detected_plan
 from gpupar.summaries import Summaries
+from gpupar.teardown import keep_for_process
 
 log = logging.getLogger("gpupar")
 SUM = tf.distribute.ReduceOp.SUM
@@ -26,6 +27,11 @@ SUM = tf.distribute.ReduceOp.SUM
 def _correct(logits, labels):
     predictions = tf.argmax(logits, axis=1, output_type=labels.dtype)
     return tf.reduce_sum(tf.cast(tf.equal(predictions, labels), tf.float32))
+
+
+def _all_finite(tensors):
+    """A scalar bool: no NaN or Inf in any of the tensors."""
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
 
 
 def _summed_over_steps(strategy, replica_step):
@@ -69,7 +75,7 @@ def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonf
         grads = tape.gradient(differentiated, model.trainable_variables)
         correct = _correct(logits, labels)
         if skip_nonfinite:
-            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads] + [tf.math.is_finite(loss)])
+            finite = _all_finite([*grads, loss])
             bad = tf.distribute.get_replica_context().all_reduce(SUM, 1.0 - tf.cast(finite, tf.float32)) > 0
             # The loss-scale optimizer skips non-finite gradients but decides from one replica's:
             # poison every replica's so they all agree.
@@ -112,11 +118,7 @@ def make_finite_check(model):
     """Returns a tf.function telling whether every float weight of the model is finite."""
     weights = [w for w in model.weights if tf.as_dtype(w.dtype).is_floating]
 
-    @tf.function
-    def all_finite():
-        return tf.reduce_all([tf.reduce_all(tf.math.is_finite(w)) for w in weights])
-
-    return all_finite
+    return tf.function(lambda: _all_finite(weights))
 
 
 def _crosses(before: int, after: int, every) -> bool:
@@ -266,11 +268,11 @@ def _train_and_evaluate(config: Config, stop) -> FitResult:
                  saved_at.epoch, steps_per_epoch, global_batch, start.step)
     adam.learning_rate.assign(config.learning_rate)  # the checkpoint's value would win otherwise
 
-    train_iterator = data.keep_for_process(iter(strategy.experimental_distribute_dataset(data.train_dataset(
+    train_iterator = keep_for_process(iter(strategy.experimental_distribute_dataset(data.train_dataset(
         splits.train_images, splits.train_labels, global_batch, config.seed,
         start_step=start.epoch * steps_per_epoch + start.step,
     ))))
-    test_iterator = data.keep_for_process(iter(strategy.experimental_distribute_dataset(
+    test_iterator = keep_for_process(iter(strategy.experimental_distribute_dataset(
         data.test_dataset(splits.test_images, splits.test_labels, global_batch)
     )))
     test = make_test_function(strategy, model)

@@ -60,3 +60,10 @@ def test_plot_history_writes_the_size_it_promises(tmp_path):
                 "images_per_second": 1000.0} for e in range(3)]
     plot_history(history, str(tmp_path / "c.png"))
     assert _png_size(tmp_path / "c.png") == (WIDTH, HEIGHT)
+
+
+def test_unwritable_output_is_a_clear_error(tmp_path):
+    history = [{"epoch": 0, "train_loss": 1.0, "train_accuracy": 0.5, "test_accuracy": 0.6, "images_per_second": 1.0}]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(GpuparError, match="cannot write the plot"):
+        plot_history(history, str(tmp_path / "file" / "c.png"))

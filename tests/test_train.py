@@ -90,6 +90,12 @@ def test_resume_continues_epochs_and_restores_weights(shared_idx_dir, tmp_path):
     assert os.path.exists(os.path.join(model_dir, "ckpt-3.index"))
 
 
+def test_max_to_keep_keeps_only_the_newest_checkpoints(shared_idx_dir, tmp_path):
+    model_dir = tmp_path / "run"
+    _fit(shared_idx_dir, model_dir=str(model_dir), epochs=3, batch_size=16, steps_per_epoch=2, max_to_keep=2)
+    assert sorted(p.name for p in model_dir.glob("*.index")) == ["ckpt-2.index", "ckpt-3.index"]
+
+
 def test_resumed_run_matches_an_uninterrupted_one(shared_idx_dir, tmp_path):
     straight = _fit(shared_idx_dir, epochs=3, batch_size=16)
     model_dir = str(tmp_path / "run")
