@@ -100,8 +100,8 @@ def bench_strategy(num_replicas, splits, batch_size, steps, repeats):
 
     def run_ours(steps_per_call, calls):
         for _ in range(calls):
-            loss_sum, correct_sum = train(iterator, tf.constant(steps_per_call))
-            float(loss_sum), float(correct_sum)  # gpupar's epoch loop reads both after every call
+            loss_sum, correct_sum, waited, busy = train(iterator, tf.constant(steps_per_call))
+            float(loss_sum), float(correct_sum), float(waited), float(busy)  # as gpupar's epoch loop reads them
 
     results = {gpupar_name(k): [] for k in STEPS_PER_CALL}
 

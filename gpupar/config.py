@@ -11,6 +11,7 @@ from typing import Optional, Tuple, Union
 
 from gpupar.errors import GpuparError
 
+AUGMENT_PLACEMENTS = ("device", "host")
 STRATEGIES = ("auto", "one_device", "mirrored", "central_storage")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
 DATASETS = ("mnist", "fashion_mnist")
@@ -51,6 +52,12 @@ class Config:
       seed: Seed for weights, shuffling and dropout.
       steps_per_epoch: Cap on the steps of each epoch, for quick runs; empty for a full pass.
       metrics_json: Write the per-epoch history and final metrics to this JSON file.
+      augment: Randomly shift, rotate and zoom the training images.
+      augment_on: Where augmentation runs: device (in the train step, batched) or host (tf.data, per image).
+      num_parallel_calls: Threads for the tf.data map; empty lets tf.data tune it (AUTOTUNE).
+      deterministic: Keep the exact batch order (needed for bit-exact replay after resume) at some speed.
+      data_threads: Give tf.data a private pool of this many threads; empty uses TensorFlow's shared pool.
+      profile_steps: Capture a TensorBoard profile of this run's steps FIRST,LAST (e.g. 20,40) into log_dir.
     """
 
     epochs: int = 5
@@ -81,9 +88,16 @@ class Config:
     seed: int = 0
     steps_per_epoch: Optional[int] = None
     metrics_json: Optional[str] = None
+    augment: bool = False
+    augment_on: str = "device"
+    num_parallel_calls: Optional[int] = None
+    deterministic: bool = False
+    data_threads: Optional[int] = None
+    profile_steps: Optional[Tuple[int, int]] = None
 
     def __post_init__(self):
         object.__setattr__(self, "gpus", _parse_gpus(self.gpus))
+        object.__setattr__(self, "profile_steps", _parse_profile_steps(self.profile_steps))
         object.__setattr__(self, "devices", _parse_devices(self.devices))
         for name in ("data_dir", "model_dir", "log_dir", "metrics_json"):
             if getattr(self, name) == "":
@@ -147,6 +161,22 @@ def _parse_gpus(gpus):
     return tuple(parsed)
 
 
+def _parse_profile_steps(steps):
+    if steps is None or steps == "":
+        return None
+    items = steps.split(",") if isinstance(steps, str) else steps
+    hint = "give the first and last step to profile, e.g. profile_steps='20,40'"
+    if not isinstance(items, (list, tuple)) or len(items) != 2:
+        raise GpuparError(f"profile_steps={steps!r}: {hint}")
+    try:
+        first, last = (int(str(item).strip()) for item in items)
+    except ValueError:
+        raise GpuparError(f"profile_steps={steps!r}: not two whole numbers; {hint}") from None
+    if not 1 <= first <= last:
+        raise GpuparError(f"profile_steps={steps!r}: need 1 <= first <= last (steps count from 1); {hint}")
+    return first, last
+
+
 def _parse_devices(devices):
     if devices is None or devices == "":
         return None
@@ -187,7 +217,8 @@ def _validate(c: Config):
     _check(_is_int(c.epochs) and c.epochs >= 0, f"epochs={c.epochs!r}: must be a whole number >= 0")
     for name in ("batch_size", "display_step", "steps_per_call"):
         _positive_int(c, name)
-    for name in ("memory_limit_mb", "virtual_cpus", "max_to_keep", "checkpoint_every_steps", "steps_per_epoch"):
+    for name in ("memory_limit_mb", "virtual_cpus", "max_to_keep", "checkpoint_every_steps", "steps_per_epoch",
+                 "num_parallel_calls", "data_threads"):
         _positive_int(c, name, optional=True)
     _check(_is_int(c.seed), f"seed={c.seed!r}: must be a whole number")
     _check(
@@ -224,7 +255,13 @@ def _validate(c: Config):
             c.memory_limit_mb is None,
             "memory_fraction and memory_limit_mb both cap GPU memory; give only one of them",
         )
-    for name in ("memory_growth", "soft_placement", "log_placement", "sync_batch_norm"):
+    _check(
+        c.augment_on in AUGMENT_PLACEMENTS,
+        f"augment_on={c.augment_on!r} is unknown; choose one of: {', '.join(AUGMENT_PLACEMENTS)}",
+    )
+    if c.profile_steps is not None:
+        _check(c.log_dir is not None, "profile_steps needs log_dir, the TensorBoard folder the profile goes to")
+    for name in ("memory_growth", "soft_placement", "log_placement", "sync_batch_norm", "augment", "deterministic"):
         _check(isinstance(getattr(c, name), bool), f"{name}={getattr(c, name)!r}: must be True or False")
     if c.data_dir is not None:
         _check(

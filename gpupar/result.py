@@ -21,6 +21,7 @@ class EpochRecord:
       images_per_second: Training images per second over the epoch.
       steps: Training steps in the epoch.
       skipped_steps: Steps dropped for a non-finite loss or gradient (nan_policy=skip).
+      input_wait_fraction: Share of step time spent waiting for input batches (see gpupar.bottleneck).
     """
 
     epoch: int
@@ -31,6 +32,7 @@ class EpochRecord:
     images_per_second: float
     steps: int
     skipped_steps: int = 0
+    input_wait_fraction: float = 0.0
 
 
 @dataclasses.dataclass

@@ -23,6 +23,7 @@ class Summaries:
                 tf.summary.scalar("train/accuracy", record.train_accuracy)
                 tf.summary.scalar("test/accuracy", record.test_accuracy)
                 tf.summary.scalar("train/images_per_second", record.images_per_second)
+                tf.summary.scalar("train/input_wait_fraction", record.input_wait_fraction)
             self.writer.flush()
 
     def close(self):

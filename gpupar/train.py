@@ -8,13 +8,15 @@ import time
 import keras
 import tensorflow as tf
 
-from gpupar import data
+from gpupar import augment, bottleneck, data
+from gpupar.bottleneck import InputWait
 from gpupar.checkpoint import Checkpoints, ModelDirLock, Position
 from gpupar.config import Config
 from gpupar.devices import configure_devices
 from gpupar.errors import GpuparError
 from gpupar.interrupt import StopRequests, TrainingInterrupted
 from gpupar.model import build_convnet
+from gpupar.profiling import ProfileWindow
 from gpupar.result import EpochRecord, FitResult
 from gpupar.strategy import build_strategy, detected_plan
 from gpupar.summaries import Summaries
@@ -34,28 +36,49 @@ def _all_finite(tensors):
     return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
 
 
-def _summed_over_steps(strategy, replica_step):
+def _summed_over_steps(strategy, replica_step, timed=False):
     """A tf.function(iterator, num_steps) that runs replica_step num_steps times in one call.
 
-    replica_step returns two scalars; they come back summed over replicas and steps.
+    replica_step returns two scalars; they come back summed over replicas and steps. With
+    `timed` the function takes a third argument, skip_first_wait, and also returns the seconds
+    spent waiting for input batches and in the steps, read from in-graph timestamps so that
+    measuring adds no host round trip; skip_first_wait leaves out the wait for the first batch
+    (a fresh pipeline filling up).
     """
 
     @tf.function
-    def run(iterator, num_steps):
+    def run(iterator, num_steps, skip_first_wait=False):
         first, second = tf.constant(0.0), tf.constant(0.0)
-        for _ in tf.range(num_steps):
-            a, b = strategy.run(replica_step, args=next(iterator))
+        waited, busy = tf.constant(0.0, tf.float64), tf.constant(0.0, tf.float64)
+        for i in tf.range(num_steps):
+            with tf.control_dependencies([busy]):
+                asked = tf.timestamp()
+            with tf.control_dependencies([asked]):
+                batch = next(iterator)
+            with tf.control_dependencies(tf.nest.flatten(batch, expand_composites=True)):
+                arrived = tf.timestamp()
+            a, b = strategy.run(replica_step, args=batch)
             first += strategy.reduce(SUM, a, axis=None)
             second += strategy.reduce(SUM, b, axis=None)
+            with tf.control_dependencies([first, second]):
+                done = tf.timestamp()
+            counted = tf.logical_not(tf.logical_and(skip_first_wait, tf.equal(i, 0)))
+            waited += tf.where(counted, arrived - asked, tf.constant(0.0, tf.float64))
+            busy += done - arrived
+        if timed:
+            return first, second, waited, busy
         return first, second
 
     return run
 
 
-def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonfinite: bool = False):
-    """Returns train(iterator, num_steps) -> (sum of step losses, correct predictions).
+def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonfinite: bool = False,
+                        augment_seed=None):
+    """Returns train(iterator, num_steps, skip_first_wait) -> (loss sum, correct, input wait s, step s).
 
-    It runs num_steps synchronous steps inside one tf.function call. With skip_nonfinite the
+    It runs num_steps synchronous steps inside one tf.function call; the sums are over replicas
+    and steps, the seconds are from _summed_over_steps. With augment_seed, each replica warps
+    its images (gpupar.augment) at the start of the step, on its own device. With skip_nonfinite the
     optimizer must be a keras.optimizers.LossScaleOptimizer: a step whose loss or gradient is
     not finite on any replica is then dropped on all of them (no update, batch-norm statistics
     restored) and adds nothing to the sums.
@@ -65,6 +88,8 @@ def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonf
         statistics = [v for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
         if skip_nonfinite:
             before = [tf.identity(v) for v in statistics]
+        if augment_seed is not None:
+            images = augment.random_affine(images, augment.device_seed(augment_seed, optimizer.iterations))
         with tf.GradientTape() as tape:
             logits = model(images, training=True)
             per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
@@ -90,7 +115,7 @@ def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonf
         optimizer.apply(grads, model.trainable_variables)
         return loss, correct
 
-    return _summed_over_steps(strategy, replica_step)
+    return _summed_over_steps(strategy, replica_step, timed=True)
 
 
 def make_test_function(strategy, model):
@@ -137,6 +162,27 @@ class _Loop:
         self.loss_scale = loss_scale  # halved by each skipped step; put back to 1 after every call
         self.checkpoints, self.summaries = checkpoints, summaries
         self.steps_per_epoch, self.global_batch = steps_per_epoch, global_batch
+        self.profile = ProfileWindow(config.profile_steps, config.log_dir)
+        self.done = 0  # steps run by this process, for the profile window
+        self.warned = False  # the input-bound warning is given once per run
+        self.wait = InputWait()  # this epoch's input waits
+
+    def _call(self, train_iterator, num_steps):
+        """Runs one train call of num_steps steps; returns its (loss sum, correct sum) as floats."""
+        self.profile.before(self.done)
+        loss_sum, correct_sum, waited, busy = self.train(
+            train_iterator, tf.constant(num_steps), tf.constant(self.done == 0))
+        if self.loss_scale is not None:
+            self.loss_scale.assign(1.0)
+        self.wait.add(float(waited), float(busy), num_steps)
+        self.done += num_steps
+        self.profile.after(self.done)
+        return float(loss_sum), float(correct_sum)
+
+    def _warn_if_input_bound(self):
+        if self.wait.input_bound and not self.warned:
+            log.warning(bottleneck.warning(self.wait, self.config))
+            self.warned = True
 
     def _save(self, epoch, step, save):
         """Saves through `save` unless a non-finite gradient has already spoilt the weights."""
@@ -155,7 +201,7 @@ class _Loop:
         every = self.config.checkpoint_every_steps
         if every is not None:
             num = min(num, every - step % every)
-        return num
+        return self.profile.limit(self.done, num)
 
     def epoch(self, epoch, first_step, train_iterator, stop):
         """Trains the rest of one epoch from first_step; returns its EpochRecord."""
@@ -164,17 +210,16 @@ class _Loop:
         step, loss_total, correct_total = first_step, 0.0, 0.0
         shown_step, shown_time, shown_loss, shown_correct = step, started, 0.0, 0.0
         updates_before, skipped, shown_skipped = int(self.updates.numpy()), 0, 0
+        self.wait = InputWait()
         while step < spe:
             if stop.signum:
                 self._interrupt(stop, self._save(epoch, step, lambda: self.checkpoints.save_step(
                     Position(epoch, step), epoch * spe + step)))
             num_steps = self._chunk(step)
-            loss_sum, correct_sum = self.train(train_iterator, tf.constant(num_steps))
-            if self.loss_scale is not None:
-                self.loss_scale.assign(1.0)
+            loss_sum, correct_sum = self._call(train_iterator, num_steps)
             step += num_steps
-            loss_total += float(loss_sum)
-            correct_total += float(correct_sum)
+            loss_total += loss_sum
+            correct_total += correct_sum
             _check_finite(loss_total, epoch, step - num_steps + 1, step, self.checkpoints.latest)
             if _crosses(step - num_steps, step, c.display_step) or step == spe or stop.signum:
                 now, done = time.perf_counter(), step - shown_step
@@ -188,6 +233,7 @@ class _Loop:
                     f", skipped {skipped - shown_skipped} non-finite step(s)" if skipped > shown_skipped else "",
                 )
                 shown_skipped = skipped
+                self._warn_if_input_bound()
                 self.summaries.step(epoch * spe + step, loss)
                 shown_step, shown_time, shown_loss, shown_correct = step, now, loss_total, correct_total
             if step < spe and not stop.signum and _crosses(step - num_steps, step, c.checkpoint_every_steps):
@@ -198,7 +244,7 @@ class _Loop:
         return EpochRecord(
             epoch=epoch, train_loss=loss_total / kept, train_accuracy=correct_total / (kept * gb),
             test_accuracy=self.evaluate(), seconds=seconds, images_per_second=steps * gb / seconds, steps=steps,
-            skipped_steps=skipped,
+            skipped_steps=skipped, input_wait_fraction=self.wait.fraction,
         )
 
     @staticmethod
@@ -222,6 +268,8 @@ class _Loop:
                 record.train_loss, record.train_accuracy, record.test_accuracy, record.seconds,
                 f"{record.images_per_second:,.0f}", f", saved {saved}" if saved else "",
             )
+            log.info("Epoch:[%d] %s", epoch, self.wait.describe())
+            self._warn_if_input_bound()
             if stop.signum:
                 self._interrupt(stop, saved)
         return history
@@ -270,7 +318,8 @@ def _train_and_evaluate(config: Config, stop) -> FitResult:
 
     train_iterator = keep_for_process(iter(strategy.experimental_distribute_dataset(data.train_dataset(
         splits.train_images, splits.train_labels, global_batch, config.seed,
-        start_step=start.epoch * steps_per_epoch + start.step,
+        start_step=start.epoch * steps_per_epoch + start.step, augment_on_host=config.augment and config.augment_on == "host",
+        num_parallel_calls=config.num_parallel_calls, deterministic=config.deterministic, threads=config.data_threads,
     ))))
     test_iterator = keep_for_process(iter(strategy.experimental_distribute_dataset(
         data.test_dataset(splits.test_images, splits.test_labels, global_batch)
@@ -282,12 +331,16 @@ def _train_and_evaluate(config: Config, stop) -> FitResult:
         return float(correct) / float(count)
 
     summaries = Summaries(config.log_dir)
-    loop = _Loop(config, make_train_function(strategy, model, optimizer, global_batch, skip), evaluate,
+    augment_seed = config.seed if config.augment and config.augment_on == "device" else None
+    if config.augment:
+        log.info("augmentation: random shifts, rotations and zooms, on the %s", config.augment_on)
+    loop = _Loop(config, make_train_function(strategy, model, optimizer, global_batch, skip, augment_seed), evaluate,
                  checkpoints, summaries, steps_per_epoch, global_batch, adam.iterations,
                  make_finite_check(model), optimizer.dynamic_scale if skip else None)
     try:
         history = loop.run(start, train_iterator, stop)
     finally:
+        loop.profile.stop()
         summaries.close()
     test_accuracy = history[-1].test_accuracy if history else evaluate()
     total = time.perf_counter() - started

@@ -16,7 +16,8 @@ ATOL = 1e-5
 
 
 def _fit(idx_dir, **options):
-    defaults = dict(data_dir=idx_dir, epochs=1, steps_per_epoch=4, dropout=0.0, seed=0, display_step=100)
+    defaults = dict(data_dir=idx_dir, epochs=1, steps_per_epoch=4, dropout=0.0, seed=0, display_step=100,
+                    deterministic=True)
     return gpupar.fit_mnist(**{**defaults, **options})
 
 
@@ -141,12 +142,12 @@ def test_tensorboard_and_metrics_json(shared_idx_dir, tmp_path):
             for value in event.summary.value:
                 tags.setdefault(value.tag, []).append(event.step)
     assert tags["train/loss_step"] == [2, 4, 6, 8]
-    for tag in ("train/loss", "train/accuracy", "test/accuracy", "train/images_per_second"):
+    for tag in ("train/loss", "train/accuracy", "test/accuracy", "train/images_per_second", "train/input_wait_fraction"):
         assert tags[tag] == [0, 1]
     saved = json.load(open(metrics))
     assert saved["test_accuracy"] == result.test_accuracy and len(saved["history"]) == 2
     assert set(saved["history"][0]) == {"epoch", "train_loss", "train_accuracy", "test_accuracy", "seconds",
-                                        "images_per_second", "steps", "skipped_steps"}
+                                        "images_per_second", "steps", "skipped_steps", "input_wait_fraction"}
 
 
 def test_fit_on_tfds_mock_data():

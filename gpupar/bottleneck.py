@@ -1,0 +1,66 @@
+"""Is training input-bound? The verdict from measured input waits, and what to change.
+
+The train step records, from in-graph timestamps, how long each step waited for its batch and
+how long the step itself took. A step that waits for input leaves the device idle: that is
+"GPU memory full, GPU-Util 0%".
+"""
+
+import dataclasses
+import os
+
+INPUT_BOUND = 0.2  # input wait above this fraction of step time: the pipeline bounds training
+MIN_STEPS = 4  # steps measured before an epoch is judged
+
+
+@dataclasses.dataclass
+class InputWait:
+    """Seconds waiting for input batches and seconds in the steps, over some steps."""
+
+    waited: float = 0.0
+    busy: float = 0.0
+    steps: int = 0
+
+    def add(self, waited: float, busy: float, steps: int):
+        self.waited, self.busy, self.steps = self.waited + waited, self.busy + busy, self.steps + steps
+
+    @property
+    def fraction(self) -> float:
+        """Input wait as a fraction of step time (the wait plus the step)."""
+        total = self.waited + self.busy
+        return self.waited / total if total > 0 else 0.0
+
+    @property
+    def input_bound(self) -> bool:
+        return self.steps >= MIN_STEPS and self.fraction > INPUT_BOUND
+
+    def describe(self) -> str:
+        """One line such as 'input wait 61% of step time: input-bound'."""
+        if self.steps < MIN_STEPS:
+            return f"input wait {self.fraction:.0%} of step time over {self.steps} step(s): too few to judge"
+        return f"input wait {self.fraction:.0%} of step time: {'input-bound' if self.input_bound else 'not input-bound'}"
+
+
+def likely_causes(config) -> list:
+    """The input-pipeline settings of `config` that most likely starve the step, with the fix for each."""
+    causes = []
+    if config.augment and config.augment_on == "host":
+        causes.append("augmentation runs on the host, one image at a time: use --augment_on=device")
+    cpus = os.cpu_count() or 1
+    if config.num_parallel_calls is not None and config.num_parallel_calls < cpus:
+        causes.append(f"--num_parallel_calls={config.num_parallel_calls} maps on fewer threads than the "
+                      f"{cpus} CPU cores: raise it, or leave it unset for AUTOTUNE")
+    if config.data_threads is not None and config.data_threads < cpus:
+        causes.append(f"--data_threads={config.data_threads} gives tf.data fewer threads than the {cpus} CPU "
+                      "cores: raise it, or leave it unset for TensorFlow's shared pool")
+    if config.deterministic:
+        causes.append("--deterministic makes every batch wait for the slowest before it: drop it unless "
+                      "you need the exact batch order")
+    if not causes:
+        causes.append("the input pipeline is slower than the step: run `gpupar diagnose` with the same flags")
+    return causes
+
+
+def warning(wait: InputWait, config) -> str:
+    """The warning for an input-bound run: the measurement, then the likely causes and fixes."""
+    return (f"training is input-bound: the step waited for input {wait.fraction:.0%} of the time, so the "
+            f"devices sat idle (on a GPU: memory full, GPU-Util near 0%). Likely: {'; '.join(likely_causes(config))}")
