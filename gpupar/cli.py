@@ -3,6 +3,7 @@
     gpupar --dataset=fashion_mnist --data_dir=/usr/share/datasets/fashion-mnist --epochs=5
     gpupar devices [--virtual_cpus=2] [--gpus=0,1] [--json]    # what TF sees, what auto picks
     gpupar plot runs/m/metrics.json -o curves.png               # curves from --metrics_json
+    gpupar diagnose --augment --augment_on=host [--json]        # input-bound or step-bound?
     gpupar --strategy=mirrored --virtual_cpus=2 --dataset=fashion_mnist \
         --data_dir=/usr/share/datasets/fashion-mnist --model_dir=runs/m --resume
     python -m gpupar --helpfull
@@ -50,9 +51,11 @@ def _define_flags():
 
 
 _define_flags()
-flags.DEFINE_boolean("json", False, "gpupar devices: print JSON instead of text.")
+flags.DEFINE_boolean("json", False, "gpupar devices / diagnose: print JSON instead of text.")
 flags.DEFINE_string("output", "curves.png", "gpupar plot: the PNG to write.", short_name="o")
-COMMANDS = ("devices", "plot")
+flags.DEFINE_integer("diagnose_steps", 30, "gpupar diagnose: timed steps in each of its three measurements.",
+                     lower_bound=1)
+COMMANDS = ("devices", "plot", "diagnose")
 
 
 def _error(message, status):
@@ -81,6 +84,17 @@ def _devices(config):
     except GpuparError as e:
         return _error(e, 1)
     print(device_report.to_json(report) if FLAGS.json else device_report.format_report(report))
+    return 0
+
+
+def _diagnose(config):
+    from gpupar.diagnose import diagnose
+
+    try:
+        report = diagnose(config, FLAGS.diagnose_steps)
+    except GpuparError as e:
+        return _error(e, 1)
+    print(report.to_json() if FLAGS.json else report.format(), flush=True)
     return 0
 
 
@@ -113,6 +127,8 @@ def main(argv):
         return _error(e, 2)
     if command == "devices":
         return _devices(config)
+    if command == "diagnose":
+        return _diagnose(config)
     from gpupar.interrupt import TrainingInterrupted
     from gpupar.train import train_and_evaluate
 

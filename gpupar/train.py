@@ -8,17 +8,15 @@ import time
 import keras
 import tensorflow as tf
 
-from gpupar import augment, bottleneck, data
+from gpupar import augment, bottleneck, data, setup
 from gpupar.bottleneck import InputWait
 from gpupar.checkpoint import Checkpoints, ModelDirLock, Position
 from gpupar.config import Config
-from gpupar.devices import configure_devices
 from gpupar.errors import GpuparError
 from gpupar.interrupt import StopRequests, TrainingInterrupted
-from gpupar.model import build_convnet
 from gpupar.profiling import ProfileWindow
 from gpupar.result import EpochRecord, FitResult
-from gpupar.strategy import build_strategy, detected_plan
+from gpupar.setup import build_setup
 from gpupar.summaries import Summaries
 from gpupar.teardown import keep_for_process
 
@@ -283,30 +281,9 @@ def train_and_evaluate(config: Config) -> FitResult:
 
 def _train_and_evaluate(config: Config, stop) -> FitResult:
     started = time.perf_counter()
-    configure_devices(config)
-    plan = detected_plan(config.strategy, config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1)
-    log.info(plan.describe())
-    strategy = build_strategy(plan)
-    keras.utils.set_random_seed(config.seed)
-
-    splits = data.load_splits(config.dataset, config.data_dir)
-    log.info("data: %d training and %d test images from %s", len(splits.train_labels), len(splits.test_labels),
-             config.data_dir or f"TFDS {config.dataset}")
-    global_batch = config.batch_size * strategy.num_replicas_in_sync
-    steps_per_epoch = data.batches_per_epoch(len(splits.train_images), global_batch)
-    if config.steps_per_epoch is not None:
-        steps_per_epoch = min(steps_per_epoch, config.steps_per_epoch)
-    num_test_steps = data.test_steps(len(splits.test_images), global_batch)
-
-    skip = config.nan_policy == "skip"
-    with strategy.scope():
-        model = build_convnet(config.dropout, config.sync_batch_norm, seed=config.seed)
-        adam = keras.optimizers.Adam(config.learning_rate)
-        # Keras' loss-scale optimizer is what skips non-finite steps. Its scale starts at 1, halves
-        # on a skipped step (the loop puts it back to 1 after every call) and never grows; powers
-        # of two scale float32 exactly.
-        optimizer = keras.optimizers.LossScaleOptimizer(adam, initial_scale=1.0, dynamic_growth_steps=2**31 - 1) if skip else adam
-        optimizer.build(model.trainable_variables)
+    s = build_setup(config)
+    strategy, model, adam, global_batch, steps_per_epoch = s.strategy, s.model, s.adam, s.global_batch, s.steps_per_epoch
+    num_test_steps = data.test_steps(len(s.splits.test_images), global_batch)
     checkpoints = Checkpoints(config.model_dir, model, adam, config.max_to_keep, global_batch)
     saved_at = checkpoints.restore(config.resume)
     start = saved_at.rebatched(global_batch, steps_per_epoch)
@@ -316,13 +293,9 @@ def _train_and_evaluate(config: Config, stop) -> FitResult:
                  saved_at.epoch, steps_per_epoch, global_batch, start.step)
     adam.learning_rate.assign(config.learning_rate)  # the checkpoint's value would win otherwise
 
-    train_iterator = keep_for_process(iter(strategy.experimental_distribute_dataset(data.train_dataset(
-        splits.train_images, splits.train_labels, global_batch, config.seed,
-        start_step=start.epoch * steps_per_epoch + start.step, augment_on_host=config.augment and config.augment_on == "host",
-        num_parallel_calls=config.num_parallel_calls, deterministic=config.deterministic, threads=config.data_threads,
-    ))))
+    train_iterator = setup.train_iterator(config, s, start.epoch * steps_per_epoch + start.step)
     test_iterator = keep_for_process(iter(strategy.experimental_distribute_dataset(
-        data.test_dataset(splits.test_images, splits.test_labels, global_batch)
+        data.test_dataset(s.splits.test_images, s.splits.test_labels, global_batch)
     )))
     test = make_test_function(strategy, model)
 
@@ -331,12 +304,9 @@ def _train_and_evaluate(config: Config, stop) -> FitResult:
         return float(correct) / float(count)
 
     summaries = Summaries(config.log_dir)
-    augment_seed = config.seed if config.augment and config.augment_on == "device" else None
-    if config.augment:
-        log.info("augmentation: random shifts, rotations and zooms, on the %s", config.augment_on)
-    loop = _Loop(config, make_train_function(strategy, model, optimizer, global_batch, skip, augment_seed), evaluate,
-                 checkpoints, summaries, steps_per_epoch, global_batch, adam.iterations,
-                 make_finite_check(model), optimizer.dynamic_scale if skip else None)
+    train = make_train_function(strategy, model, s.optimizer, global_batch, s.skips_nonfinite, s.augment_seed)
+    loop = _Loop(config, train, evaluate, checkpoints, summaries, steps_per_epoch, global_batch, adam.iterations,
+                 make_finite_check(model), s.optimizer.dynamic_scale if s.skips_nonfinite else None)
     try:
         history = loop.run(start, train_iterator, stop)
     finally:
@@ -347,7 +317,7 @@ def _train_and_evaluate(config: Config, stop) -> FitResult:
     log.info("Test accuracy: %.4f; total time: %.1f s", test_accuracy, total)
     result = FitResult(
         model=model, strategy=strategy, history=history, test_accuracy=test_accuracy,
-        total_seconds=total, strategy_description=plan.describe(), replicas=plan.num_replicas,
+        total_seconds=total, strategy_description=s.plan.describe(), replicas=s.plan.num_replicas,
         global_batch=global_batch, start_epoch=start.epoch, checkpoint=checkpoints.latest,
     )
     if config.metrics_json:

@@ -1,7 +1,6 @@
 """`gpupar plot`: a PNG of the expected size from a real metrics file; bad files are clear errors."""
 
 import json
-import os
 import struct
 import subprocess
 import sys

@@ -1,0 +1,93 @@
+"""What every run builds before its first step: devices, strategy, data, model, optimizer, input.
+
+Training (gpupar.train) and `gpupar diagnose` (gpupar.diagnose) build the same things, so that
+diagnose measures the step and the pipeline that training would run.
+"""
+
+import dataclasses
+import logging
+from typing import Any, Optional
+
+import keras
+
+from gpupar import data
+from gpupar.config import Config
+from gpupar.devices import configure_devices
+from gpupar.idx import Splits
+from gpupar.model import build_convnet
+from gpupar.strategy import Plan, build_strategy, detected_plan
+from gpupar.teardown import keep_for_process
+
+log = logging.getLogger("gpupar")
+
+
+@dataclasses.dataclass
+class Setup:
+    """A run's strategy, data and model, built under the strategy's scope.
+
+    Attributes:
+      plan: The strategy decision and its reason.
+      strategy: The tf.distribute.Strategy built from the plan.
+      splits: The training and test images in memory.
+      global_batch: Examples per step over all replicas.
+      steps_per_epoch: Steps in one epoch (capped by config.steps_per_epoch).
+      model: The ConvNet.
+      adam: The Adam optimizer, whose state the checkpoints hold.
+      optimizer: What applies the updates: adam, or a loss-scale optimizer around it (nan_policy=skip).
+      augment_seed: Seed of the on-device augmentation; None when the step does not augment.
+    """
+
+    plan: Plan
+    strategy: Any
+    splits: Splits
+    global_batch: int
+    steps_per_epoch: int
+    model: Any
+    adam: Any
+    optimizer: Any
+    augment_seed: Optional[int]
+
+    @property
+    def skips_nonfinite(self) -> bool:
+        return self.optimizer is not self.adam
+
+
+def build_setup(config: Config) -> Setup:
+    """Configures the devices, then builds the strategy, loads the data and builds the model."""
+    configure_devices(config)
+    plan = detected_plan(config.strategy, config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1)
+    log.info(plan.describe())
+    strategy = build_strategy(plan)
+    keras.utils.set_random_seed(config.seed)
+
+    splits = data.load_splits(config.dataset, config.data_dir)
+    log.info("data: %d training and %d test images from %s", len(splits.train_labels), len(splits.test_labels),
+             config.data_dir or f"TFDS {config.dataset}")
+    global_batch = config.batch_size * strategy.num_replicas_in_sync
+    steps_per_epoch = data.batches_per_epoch(len(splits.train_images), global_batch)
+    if config.steps_per_epoch is not None:
+        steps_per_epoch = min(steps_per_epoch, config.steps_per_epoch)
+
+    with strategy.scope():
+        model = build_convnet(config.dropout, config.sync_batch_norm, seed=config.seed)
+        adam = keras.optimizers.Adam(config.learning_rate)
+        # Keras' loss-scale optimizer is what skips non-finite steps. Its scale starts at 1, halves
+        # on a skipped step (the loop puts it back to 1 after every call) and never grows; powers
+        # of two scale float32 exactly.
+        optimizer = (keras.optimizers.LossScaleOptimizer(adam, initial_scale=1.0, dynamic_growth_steps=2**31 - 1)
+                     if config.nan_policy == "skip" else adam)
+        optimizer.build(model.trainable_variables)
+    if config.augment:
+        log.info("augmentation: random shifts, rotations and zooms, on the %s", config.augment_on)
+    augment_seed = config.seed if config.augment and config.augment_on == "device" else None
+    return Setup(plan, strategy, splits, global_batch, steps_per_epoch, model, adam, optimizer, augment_seed)
+
+
+def train_iterator(config: Config, setup: Setup, start_step: int = 0):
+    """The distributed iterator over training batches from global step start_step, kept for the process."""
+    dataset = data.train_dataset(
+        setup.splits.train_images, setup.splits.train_labels, setup.global_batch, config.seed, start_step=start_step,
+        augment_on_host=config.augment and config.augment_on == "host", num_parallel_calls=config.num_parallel_calls,
+        deterministic=config.deterministic, threads=config.data_threads,
+    )
+    return keep_for_process(iter(setup.strategy.experimental_distribute_dataset(dataset)))
