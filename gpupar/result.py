@@ -22,6 +22,8 @@ class EpochRecord:
       steps: Training steps in the epoch.
       skipped_steps: Steps dropped for a non-finite loss or gradient (nan_policy=skip).
       input_wait_fraction: Share of step time spent waiting for input batches (see gpupar.bottleneck).
+      gpu_util_percent: Mean NVML GPU-Util over the epoch and the GPUs; None where not sampled.
+      gpu_memory_used_mb: Highest GPU memory in use on any GPU in the epoch; None where not sampled.
     """
 
     epoch: int
@@ -33,6 +35,8 @@ class EpochRecord:
     steps: int
     skipped_steps: int = 0
     input_wait_fraction: float = 0.0
+    gpu_util_percent: Optional[float] = None
+    gpu_memory_used_mb: Optional[float] = None
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ import keras
 
 from gpupar import data
 from gpupar.config import Config
-from gpupar.devices import configure_devices
+from gpupar.devices import DevicePlan, configure_devices
 from gpupar.idx import Splits
 from gpupar.model import build_convnet
 from gpupar.strategy import Plan, build_strategy, detected_plan
@@ -26,6 +26,7 @@ class Setup:
     """A run's strategy, data and model, built under the strategy's scope.
 
     Attributes:
+      devices: The device settings applied to the runtime (visible GPUs, memory, virtual CPUs).
       plan: The strategy decision and its reason.
       strategy: The tf.distribute.Strategy built from the plan.
       splits: The training and test images in memory.
@@ -37,6 +38,7 @@ class Setup:
       augment_seed: Seed of the on-device augmentation; None when the step does not augment.
     """
 
+    devices: DevicePlan
     plan: Plan
     strategy: Any
     splits: Splits
@@ -54,7 +56,7 @@ class Setup:
 
 def build_setup(config: Config) -> Setup:
     """Configures the devices, then builds the strategy, loads the data and builds the model."""
-    configure_devices(config)
+    devices = configure_devices(config)
     plan = detected_plan(config.strategy, config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1)
     log.info(plan.describe())
     strategy = build_strategy(plan)
@@ -80,7 +82,7 @@ def build_setup(config: Config) -> Setup:
     if config.augment:
         log.info("augmentation: random shifts, rotations and zooms, on the %s", config.augment_on)
     augment_seed = config.seed if config.augment and config.augment_on == "device" else None
-    return Setup(plan, strategy, splits, global_batch, steps_per_epoch, model, adam, optimizer, augment_seed)
+    return Setup(devices, plan, strategy, splits, global_batch, steps_per_epoch, model, adam, optimizer, augment_seed)
 
 
 def train_iterator(config: Config, setup: Setup, start_step: int = 0):

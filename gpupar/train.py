@@ -3,12 +3,13 @@
 import logging
 import math
 import signal
+import statistics
 import time
 
 import keras
 import tensorflow as tf
 
-from gpupar import augment, bottleneck, data, setup
+from gpupar import augment, bottleneck, data, setup, utilisation
 from gpupar.bottleneck import InputWait
 from gpupar.checkpoint import Checkpoints, ModelDirLock, Position
 from gpupar.config import Config
@@ -153,7 +154,7 @@ class _Loop:
     """The outer loop: epochs of K-step calls, progress lines, evaluation, checkpoints, summaries."""
 
     def __init__(self, config, train, evaluate, checkpoints, summaries, steps_per_epoch, global_batch, updates,
-                 weights_finite, loss_scale=None):
+                 weights_finite, loss_scale=None, gpu_sampler=None):
         self.config, self.train, self.evaluate = config, train, evaluate
         self.weights_finite = weights_finite
         self.updates = updates  # the optimizer's update counter; it stands still on skipped steps
@@ -164,6 +165,7 @@ class _Loop:
         self.done = 0  # steps run by this process, for the profile window
         self.warned = False  # the input-bound warning is given once per run
         self.wait = InputWait()  # this epoch's input waits
+        self.gpu_sampler, self.gpus = gpu_sampler, []  # the GPUs' summaries over the last epoch
 
     def _call(self, train_iterator, num_steps):
         """Runs one train call of num_steps steps; returns its (loss sum, correct sum) as floats."""
@@ -237,12 +239,15 @@ class _Loop:
             if step < spe and not stop.signum and _crosses(step - num_steps, step, c.checkpoint_every_steps):
                 self._save(epoch, step, lambda: self.checkpoints.save_step(Position(epoch, step), epoch * spe + step))
         seconds = time.perf_counter() - started
+        self.gpus = self.gpu_sampler.take() if self.gpu_sampler else []
         steps = spe - first_step
         kept = max(steps - skipped, 1)
         return EpochRecord(
             epoch=epoch, train_loss=loss_total / kept, train_accuracy=correct_total / (kept * gb),
             test_accuracy=self.evaluate(), seconds=seconds, images_per_second=steps * gb / seconds, steps=steps,
             skipped_steps=skipped, input_wait_fraction=self.wait.fraction,
+            gpu_util_percent=statistics.fmean(g.mean_util_percent for g in self.gpus) if self.gpus else None,
+            gpu_memory_used_mb=max(g.max_memory_used_mb for g in self.gpus) if self.gpus else None,
         )
 
     @staticmethod
@@ -267,6 +272,8 @@ class _Loop:
                 f"{record.images_per_second:,.0f}", f", saved {saved}" if saved else "",
             )
             log.info("Epoch:[%d] %s", epoch, self.wait.describe())
+            for gpu in self.gpus:
+                log.info("Epoch:[%d] %s", epoch, gpu.describe())
             self._warn_if_input_bound()
             if stop.signum:
                 self._interrupt(stop, saved)
@@ -305,12 +312,15 @@ def _train_and_evaluate(config: Config, stop) -> FitResult:
 
     summaries = Summaries(config.log_dir)
     train = make_train_function(strategy, model, s.optimizer, global_batch, s.skips_nonfinite, s.augment_seed)
+    gpu_sampler = utilisation.start_sampler(s.devices.visible_gpus, log)
     loop = _Loop(config, train, evaluate, checkpoints, summaries, steps_per_epoch, global_batch, adam.iterations,
-                 make_finite_check(model), s.optimizer.dynamic_scale if s.skips_nonfinite else None)
+                 make_finite_check(model), s.optimizer.dynamic_scale if s.skips_nonfinite else None, gpu_sampler)
     try:
         history = loop.run(start, train_iterator, stop)
     finally:
         loop.profile.stop()
+        if gpu_sampler:
+            gpu_sampler.stop()
         summaries.close()
     test_accuracy = history[-1].test_accuracy if history else evaluate()
     total = time.perf_counter() - started

@@ -1,0 +1,77 @@
+"""The input-wait monitor: its verdict, and the warning training prints when input is slow."""
+
+import time
+
+import numpy as np
+import pytest
+
+import gpupar
+from gpupar import augment, bottleneck
+from gpupar.bottleneck import InputWait
+from gpupar.config import Config
+from conftest import make_idx_dir
+
+
+@pytest.fixture(scope="module")
+def idx_dir(tmp_path_factory):
+    return make_idx_dir(tmp_path_factory.mktemp("data"), num_train=2048, num_test=256)
+
+
+def test_verdict_needs_enough_steps_and_a_large_wait():
+    wait = InputWait()
+    wait.add(waited=3.0, busy=1.0, steps=2)
+    assert wait.fraction == 0.75 and not wait.input_bound and "too few to judge" in wait.describe()
+    wait.add(waited=0.0, busy=0.0, steps=2)
+    assert wait.input_bound and wait.describe() == "input wait 75% of step time: input-bound"
+    fast = InputWait(waited=0.1, busy=0.9, steps=10)
+    assert not fast.input_bound and fast.describe() == "input wait 10% of step time: not input-bound"
+
+
+def test_causes_name_the_setting_and_its_fix():
+    host = bottleneck.likely_causes(Config(augment=True, augment_on="host", num_parallel_calls=1, deterministic=True))
+    assert "use --augment_on=device" in host[0]
+    assert any("raise it, or leave it unset for AUTOTUNE" in c for c in host)
+    assert any("--deterministic" in c for c in host)
+    assert bottleneck.likely_causes(Config(augment=True))[0].startswith("the input pipeline is slower than the step")
+
+
+def _slow_warp(image, transform):
+    time.sleep(0.001)  # 256 images: a quarter second per batch, far more than the step takes
+    return image
+
+
+def _fit(idx_dir, **options):
+    defaults = dict(data_dir=idx_dir, epochs=1, batch_size=256, display_step=4, dropout=0.0,
+                    strategy="one_device")
+    return gpupar.fit_mnist(**{**defaults, **options})
+
+
+def test_host_augmentation_made_slow_is_reported_input_bound_in_the_first_epoch(idx_dir, capsys, monkeypatch):
+    monkeypatch.setattr(augment, "warp_numpy", _slow_warp)
+    result = _fit(idx_dir, augment=True, augment_on="host")
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    warned = next(i for i, line in enumerate(lines) if line.startswith("training is input-bound"))
+    epoch_end = next(i for i, line in enumerate(lines) if line.startswith("Epoch:[0] train loss"))
+    assert warned < epoch_end  # within the first epoch, at a progress line
+    assert "augmentation runs on the host, one image at a time: use --augment_on=device" in lines[warned]
+    assert "Epoch:[0] input wait" in out and ": input-bound" in out
+    assert result.history[0].input_wait_fraction > bottleneck.INPUT_BOUND
+    assert out.count("training is input-bound") == 1
+
+
+def test_training_without_augmentation_is_not_input_bound(idx_dir, capsys):
+    result = _fit(idx_dir)
+    out = capsys.readouterr().out
+    assert "training is input-bound" not in out
+    assert "Epoch:[0] input wait" in out and "not input-bound" in out
+    assert 0 <= result.history[0].input_wait_fraction < bottleneck.INPUT_BOUND
+
+
+def test_device_augmentation_trains_and_is_not_input_bound(idx_dir, capsys):
+    result = _fit(idx_dir, augment=True, epochs=3)
+    out = capsys.readouterr().out
+    assert "augmentation: random shifts, rotations and zooms, on the device" in out
+    assert "training is input-bound" not in out
+    losses = [record.train_loss for record in result.history]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
