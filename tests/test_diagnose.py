@@ -1,0 +1,64 @@
+"""gpupar diagnose: three rates and a verdict that names the bound and the fix."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import make_idx_dir
+from gpupar import augment
+from gpupar.config import Config
+from gpupar.diagnose import diagnose
+
+
+@pytest.fixture(scope="module")
+def idx_dir(tmp_path_factory):
+    return make_idx_dir(tmp_path_factory.mktemp("data"), num_train=2048, num_test=64)
+
+
+def _slow_warp(image, transform):
+    time.sleep(0.001)  # 256 images: a quarter second per batch, far more than the step takes
+    return image
+
+
+def _config(idx_dir, **options):
+    return Config(data_dir=idx_dir, batch_size=256, strategy="one_device", dropout=0.0, **options)
+
+
+def test_slow_host_augmentation_is_input_bound(idx_dir, monkeypatch):
+    monkeypatch.setattr(augment, "warp_numpy", _slow_warp)
+    report = diagnose(_config(idx_dir, augment=True, augment_on="host"), steps=4)
+    assert report.input_bound and report.bound_by == "input pipeline"
+    assert report.input_images_per_second < report.step_images_per_second
+    assert report.together_images_per_second < report.step_images_per_second
+    assert "use --augment_on=device" in report.recommendations[0]
+    assert "input-bound; training is bound by the input pipeline" in report.format()
+
+
+def test_device_augmentation_is_bound_by_the_step(idx_dir):
+    report = diagnose(_config(idx_dir, augment=True), steps=4)
+    assert not report.input_bound and report.bound_by == "train step"
+    assert report.input_images_per_second > report.step_images_per_second
+    assert report.recommendations and "--augment_on" not in report.recommendations[0]
+
+
+def test_cli_prints_json(idx_dir):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run(
+        [sys.executable, "-m", "gpupar", "diagnose", f"--data_dir={idx_dir}", "--batch_size=256", "--diagnose_steps=3",
+         "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout[out.stdout.index("{"):])
+    assert set(report) >= {"input_images_per_second", "step_images_per_second", "together_images_per_second",
+                           "input_wait_fraction", "input_bound", "bound_by", "recommendations"}
+    assert report["steps"] == 3 and report["global_batch"] == 256
+
+
+def test_cli_bad_flag_fails_before_any_work(idx_dir):
+    out = subprocess.run([sys.executable, "-m", "gpupar", "diagnose", f"--data_dir={idx_dir}", "--augment_on=gpu"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "augment_on='gpu' is unknown; choose one of: device, host" in out.stderr
+    assert "strategy:" not in out.stdout

@@ -1,0 +1,23 @@
+"""The profile window: calls cut at its edges, and a real capture of the chosen steps."""
+
+import glob
+import os
+
+import gpupar
+from gpupar.profiling import ProfileWindow
+
+
+def test_calls_are_cut_at_the_window_edges():
+    window = ProfileWindow((5, 8), "/unused")
+    assert window.limit(0, 10) == 4  # stop before step 5 to start the profiler
+    assert window.limit(4, 10) == 4  # steps 5..8, then stop it
+    assert window.limit(8, 10) == 10
+    assert ProfileWindow(None, None).limit(0, 10) == 10
+
+
+def test_profile_of_chosen_steps_lands_in_log_dir(shared_idx_dir, tmp_path, capsys):
+    log_dir = str(tmp_path / "tb")
+    gpupar.fit_mnist(data_dir=shared_idx_dir, epochs=1, batch_size=32, steps_per_call=4, log_dir=log_dir,
+                     profile_steps="2,3")
+    assert "profiled steps 2..3 of this run into" in capsys.readouterr().out
+    assert glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.xplane.pb"))
