@@ -5,7 +5,7 @@ DATA_DIR ?= /usr/share/datasets/fashion-mnist
 RUN_DIR ?= runs/fashion_mnist
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: venv data train test test-fast bench clean
+.PHONY: venv data train test test-fast bench bench-input clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ test-fast: venv data
 
 bench: venv data
 	$(VENV)/bin/python -m gpupar.bench --data_dir=$(DATA_DIR)
+
+bench-input: venv data
+	$(VENV)/bin/python -m gpupar.bench_input --data_dir=$(DATA_DIR)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -26,7 +26,8 @@ _LAZY = {
     "EpochRecord": "gpupar.result",
 }
 
-__all__ = ["Config", "DevicePlan", "GpuparError", "Plan", "fit_mnist", "plan_devices", "plan_strategy", *_LAZY]
+__all__ = ["Config", "DevicePlan", "GpuparError", "Plan", "diagnose_mnist", "fit_mnist", "plan_devices", "plan_strategy",
+           *_LAZY]
 
 
 class _StdoutHandler(logging.StreamHandler):
@@ -63,3 +64,14 @@ def fit_mnist(config: Config = None, **options):
     from gpupar.train import train_and_evaluate
 
     return train_and_evaluate(config)
+
+
+def diagnose_mnist(config: Config = None, steps: int = 30, **options):
+    """Measures what bounds training under these options (input pipeline or step); returns a diagnose.Report.
+
+    Takes the same Config or options as fit_mnist, and times `steps` steps in each measurement.
+    """
+    config = Config.from_options(config, **options)
+    from gpupar.diagnose import diagnose
+
+    return diagnose(config, steps)

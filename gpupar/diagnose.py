@@ -118,7 +118,7 @@ def diagnose(config: Config, steps: int = 30) -> Report:
     input_seconds = _timed(lambda n: _pull(pipeline, tf.constant(n)), steps)
 
     one_batch = _OneBatch(next(train_iterator(config, s)))
-    step_seconds = _timed(lambda n: train(one_batch, tf.constant(n))[:2], steps)
+    step_seconds = _timed(lambda n: train(one_batch, tf.constant(n), tf.constant(False))[:2], steps)
 
     together = train_iterator(config, s)
     wait = InputWait()

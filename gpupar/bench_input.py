@@ -1,0 +1,110 @@
+"""Training images/s with augmentation on the host against on the device, in one run.
+
+    python -m gpupar.bench_input                                   # about 3 minutes on 2 cores
+    python -m gpupar.bench_input --data_dir=/usr/share/datasets/fashion-mnist --json=runs/bench_input.json
+    python -m gpupar.bench_input --steps=3 --repeats=1 --batch_size=64    # quick check
+
+Each round runs `gpupar diagnose` (pipeline alone, step alone, both together) for no
+augmentation, host augmentation and device augmentation, one after the other, so machine noise
+hits the three alike; the table shows the median over rounds and the spread (min-max).
+"""
+
+import json
+import logging
+import os
+import statistics
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
+
+from gpupar.config import Config  # noqa: E402
+from gpupar.diagnose import diagnose  # noqa: E402
+from gpupar.errors import GpuparError  # noqa: E402
+from gpupar.teardown import exit_without_teardown  # noqa: E402
+
+FLAGS = flags.FLAGS
+DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
+PLACEMENTS = {"no augmentation": {}, "augment on host": dict(augment=True, augment_on="host"),
+              "augment on device": dict(augment=True, augment_on="device")}
+RATES = ("together_images_per_second", "input_images_per_second", "step_images_per_second")
+
+
+def define_flags():
+    """Defines the flags (only when run: gpupar.cli has --data_dir and --batch_size too)."""
+    flags.DEFINE_string("data_dir", None, f"Folder with the Fashion-MNIST IDX files; default {DEFAULT_DATA_DIR}.")
+    flags.DEFINE_string("json", "runs/bench_input.json", "Write the results to this JSON file.")
+    flags.DEFINE_integer("steps", 20, "Timed steps per measurement.", lower_bound=1)
+    flags.DEFINE_integer("repeats", 3, "Rounds over the three placements.", lower_bound=1)
+    flags.DEFINE_integer("batch_size", 1024, "Examples per step.", lower_bound=1)
+
+
+def benchmark(data_dir, batch_size, steps, repeats) -> dict:
+    """{placement: {rate name: [one value per round], ...}} from interleaved diagnose runs."""
+    results = {name: {key: [] for key in (*RATES, "input_wait_fraction")} for name in PLACEMENTS}
+    verdicts = {}
+    for _ in range(repeats):
+        for name, options in PLACEMENTS.items():
+            config = Config(data_dir=data_dir, dataset="fashion_mnist", batch_size=batch_size,
+                            strategy="one_device", **options)
+            report = diagnose(config, steps)
+            for key in results[name]:
+                results[name][key].append(getattr(report, key))
+            verdicts[name] = report.bound_by
+    return {"batch_size": batch_size, "steps": steps, "repeats": repeats, "results": results, "bound_by": verdicts}
+
+
+def table(report) -> str:
+    lines = [f"{'':<20} {'training img/s (median, min-max)':>34} {'pipeline alone':>15} {'step alone':>11}"
+             f" {'input wait':>11}  bound by"]
+    for name, values in report["results"].items():
+        together = values["together_images_per_second"]
+        lines.append(
+            f"{name:<20} {statistics.median(together):>12,.0f} ({min(together):,.0f}-{max(together):,.0f})"
+            f"{'':>4} {statistics.median(values['input_images_per_second']):>15,.0f}"
+            f" {statistics.median(values['step_images_per_second']):>11,.0f}"
+            f" {statistics.median(values['input_wait_fraction']):>11.0%}  {report['bound_by'][name]}")
+    host, device = (statistics.median(report["results"][n]["together_images_per_second"])
+                    for n in ("augment on host", "augment on device"))
+    lines.append(f"augmentation on the device trains {device / host:.2f}x as fast as on the host")
+    return "\n".join(lines)
+
+
+def main(argv):
+    """Checks the flags, runs the rounds, prints the table and writes JSON."""
+    if len(argv) > 1:
+        print(f"gpupar.bench_input: error: unexpected argument(s) {' '.join(argv[1:])}", file=sys.stderr)
+        return 2
+    if not FLAGS["verbosity"].present:
+        absl_logging.set_verbosity(absl_logging.WARNING)
+    logging.getLogger("gpupar").setLevel(logging.WARNING)  # diagnose's set-up lines, nine times over
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)  # each round traces new functions, by design
+    data_dir = FLAGS.data_dir or DEFAULT_DATA_DIR
+    try:
+        report = benchmark(data_dir, FLAGS.batch_size, FLAGS.steps, FLAGS.repeats)
+    except GpuparError as e:
+        print(f"gpupar.bench_input: error: {e}", file=sys.stderr)
+        return 1
+    print(table(report))
+    if FLAGS.json:
+        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
+        with open(FLAGS.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {FLAGS.json}")
+    return 0
+
+
+def _main_and_exit(argv):
+    exit_without_teardown(main(argv))
+
+
+def run():
+    """Defines the flags and runs the benchmark."""
+    define_flags()
+    app.run(_main_and_exit)
+
+
+if __name__ == "__main__":
+    run()

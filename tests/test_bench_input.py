@@ -1,0 +1,23 @@
+"""The augmentation benchmark in quick mode, as a fresh process on a small synthetic IDX folder."""
+
+import json
+import subprocess
+import sys
+
+from conftest import make_idx_dir
+
+
+def test_quick_input_benchmark_measures_every_placement(tmp_path):
+    folder = make_idx_dir(tmp_path / "data")
+    out = tmp_path / "b.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "gpupar.bench_input", "--data_dir", folder, "--json", str(out),
+         "--steps=2", "--repeats=1", "--batch_size=32"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"no augmentation", "augment on host", "augment on device"}
+    for values in report["results"].values():
+        assert len(values["together_images_per_second"]) == 1 and values["together_images_per_second"][0] > 0
+    assert "augmentation on the device trains" in done.stdout
