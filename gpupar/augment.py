@@ -14,7 +14,6 @@ import math
 import numpy as np
 import tensorflow as tf
 
-PLACEMENTS = ("host", "device")
 MAX_DEGREES = 10.0  # rotation in [-10, 10] degrees
 MAX_SHIFT = 0.1  # translation in [-10%, 10%] of the side, in each direction
 MAX_ZOOM = 0.1  # scale in [0.9, 1.1]
