@@ -8,7 +8,7 @@ how long the step itself took. A step that waits for input leaves the device idl
 import dataclasses
 import os
 
-INPUT_BOUND = 0.2  # input wait above this fraction of step time: the pipeline bounds training
+INPUT_BOUND = 0.3  # input wait above this fraction of step time: the pipeline bounds training
 MIN_STEPS = 4  # steps measured before an epoch is judged
 
 
@@ -40,8 +40,12 @@ class InputWait:
         return f"input wait {self.fraction:.0%} of step time: {'input-bound' if self.input_bound else 'not input-bound'}"
 
 
-def likely_causes(config) -> list:
-    """The input-pipeline settings of `config` that most likely starve the step, with the fix for each."""
+def likely_causes(config, input_rate=None, step_rate=None) -> list:
+    """The likely reasons `config` starves the step, each with its fix, most likely first.
+
+    input_rate and step_rate (images/s of the pipeline alone and of the step alone, from
+    `gpupar diagnose`) tell a slow pipeline from one that is fast alone but starved of CPU.
+    """
     causes = []
     if config.augment and config.augment_on == "host":
         causes.append("augmentation runs on the host, one image at a time: use --augment_on=device")
@@ -55,8 +59,15 @@ def likely_causes(config) -> list:
     if config.deterministic:
         causes.append("--deterministic makes every batch wait for the slowest before it: drop it unless "
                       "you need the exact batch order")
+    if input_rate is not None and step_rate is not None and input_rate >= 2 * step_rate:
+        causes.append(f"the pipeline alone delivers {input_rate / step_rate:.0f}x what the step takes, but not "
+                      "while the step runs: they compete for the same CPU cores (on a CPU-only machine the "
+                      "step's own threads); give tf.data a pool of its own with --data_threads")
+    elif input_rate is not None:
+        causes.append("the input pipeline alone is slower than the step: move per-example work into the step "
+                      "or raise --num_parallel_calls")
     if not causes:
-        causes.append("the input pipeline is slower than the step: run `gpupar diagnose` with the same flags")
+        causes.append("run `gpupar diagnose` with the same flags: it measures the pipeline and the step apart")
     return causes
 
 

@@ -137,5 +137,6 @@ def diagnose(config: Config, steps: int = 30) -> Report:
         input_images_per_second=rates[0], step_images_per_second=rates[1], together_images_per_second=rates[2],
         input_wait_fraction=wait.fraction, input_bound=input_bound,
         bound_by="input pipeline" if input_bound else "train step",
-        recommendations=tuple(bottleneck.likely_causes(config) if input_bound else _step_advice(config)),
+        recommendations=tuple(bottleneck.likely_causes(config, rates[0], rates[1]) if input_bound
+                              else _step_advice(config)),
     )

@@ -23,8 +23,8 @@ def test_verdict_needs_enough_steps_and_a_large_wait():
     assert wait.fraction == 0.75 and not wait.input_bound and "too few to judge" in wait.describe()
     wait.add(waited=0.0, busy=0.0, steps=2)
     assert wait.input_bound and wait.describe() == "input wait 75% of step time: input-bound"
-    fast = InputWait(waited=0.1, busy=0.9, steps=10)
-    assert not fast.input_bound and fast.describe() == "input wait 10% of step time: not input-bound"
+    fast = InputWait(waited=0.25, busy=0.75, steps=10)
+    assert not fast.input_bound and fast.describe() == "input wait 25% of step time: not input-bound"
 
 
 def test_causes_name_the_setting_and_its_fix():
@@ -32,7 +32,11 @@ def test_causes_name_the_setting_and_its_fix():
     assert "use --augment_on=device" in host[0]
     assert any("raise it, or leave it unset for AUTOTUNE" in c for c in host)
     assert any("--deterministic" in c for c in host)
-    assert bottleneck.likely_causes(Config(augment=True))[0].startswith("the input pipeline is slower than the step")
+    assert bottleneck.likely_causes(Config(augment=True))[0].startswith("run `gpupar diagnose` with the same flags")
+    starved = bottleneck.likely_causes(Config(), input_rate=50_000, step_rate=10_000)
+    assert starved[0].startswith("the pipeline alone delivers 5x what the step takes") and "--data_threads" in starved[0]
+    slow = bottleneck.likely_causes(Config(), input_rate=5_000, step_rate=10_000)
+    assert slow[0].startswith("the input pipeline alone is slower than the step")
 
 
 def _slow_warp(image, transform):
