@@ -35,14 +35,14 @@ def _all_finite(tensors):
     return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
 
 
-def _summed_over_steps(strategy, replica_step, timed=False):
-    """A tf.function(iterator, num_steps) that runs replica_step num_steps times in one call.
+def steps_in_one_call(batch_step, timed=False):
+    """A tf.function(iterator, num_steps) that runs batch_step on num_steps batches in one call.
 
-    replica_step returns two scalars; they come back summed over replicas and steps. With
-    `timed` the function takes a third argument, skip_first_wait, and also returns the seconds
-    spent waiting for input batches and in the steps, read from in-graph timestamps so that
-    measuring adds no host round trip; skip_first_wait leaves out the wait for the first batch
-    (a fresh pipeline filling up).
+    batch_step(batch) returns two scalars; they come back summed over the steps. With `timed`
+    the function takes a third argument, skip_first_wait, and also returns the seconds spent
+    waiting for input batches and in the steps, read from in-graph timestamps so that measuring
+    adds no host round trip; skip_first_wait leaves out the wait for the first batch (a fresh
+    pipeline filling up).
     """
 
     @tf.function
@@ -56,9 +56,9 @@ def _summed_over_steps(strategy, replica_step, timed=False):
                 batch = next(iterator)
             with tf.control_dependencies(tf.nest.flatten(batch, expand_composites=True)):
                 arrived = tf.timestamp()
-            a, b = strategy.run(replica_step, args=batch)
-            first += strategy.reduce(SUM, a, axis=None)
-            second += strategy.reduce(SUM, b, axis=None)
+            a, b = batch_step(batch)
+            first += a
+            second += b
             with tf.control_dependencies([first, second]):
                 done = tf.timestamp()
             counted = tf.logical_not(tf.logical_and(skip_first_wait, tf.equal(i, 0)))
@@ -69,6 +69,16 @@ def _summed_over_steps(strategy, replica_step, timed=False):
         return first, second
 
     return run
+
+
+def _summed_over_steps(strategy, replica_step, timed=False):
+    """steps_in_one_call of replica_step on every replica, its two scalars summed over replicas."""
+
+    def batch_step(batch):
+        a, b = strategy.run(replica_step, args=batch)
+        return strategy.reduce(SUM, a, axis=None), strategy.reduce(SUM, b, axis=None)
+
+    return steps_in_one_call(batch_step, timed)
 
 
 def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonfinite: bool = False,
