@@ -35,14 +35,26 @@ def _all_finite(tensors):
     return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
 
 
+def _mean_arrival(batch):
+    """The mean over replicas of a timestamp taken when all of that replica's share of `batch` exists."""
+    # A distributed batch's leaves are PerReplica values; flattened, they list one tensor per replica.
+    leaves = [tf.nest.flatten(leaf, expand_composites=True) for leaf in tf.nest.flatten(batch)]
+    stamps = []
+    for share in zip(*leaves):
+        with tf.control_dependencies(list(share)):
+            stamps.append(tf.timestamp())
+    return tf.reduce_mean(tf.stack(stamps))
+
+
 def steps_in_one_call(batch_step, timed=False):
     """A tf.function(iterator, num_steps) that runs batch_step on num_steps batches in one call.
 
     batch_step(batch) returns two scalars; they come back summed over the steps. With `timed`
     the function takes a third argument, skip_first_wait, and also returns the seconds spent
     waiting for input batches and in the steps, read from in-graph timestamps so that measuring
-    adds no host round trip; skip_first_wait leaves out the wait for the first batch (a fresh
-    pipeline filling up).
+    adds no host round trip. A step's wait is the mean over replicas of the time until the
+    replica has its share of the batch (how long a device sits idle for input);
+    skip_first_wait leaves out the wait for the first batch (a fresh pipeline filling up).
     """
 
     @tf.function
@@ -54,8 +66,7 @@ def steps_in_one_call(batch_step, timed=False):
                 asked = tf.timestamp()
             with tf.control_dependencies([asked]):
                 batch = next(iterator)
-            with tf.control_dependencies(tf.nest.flatten(batch, expand_composites=True)):
-                arrived = tf.timestamp()
+            arrived = _mean_arrival(batch)
             a, b = batch_step(batch)
             first += a
             second += b
