@@ -20,5 +20,5 @@ common = dict(
     augment=True,
 )
 for placement in ("host", "device"):
-    report = gpupar.diagnose_mnist(augment_on=placement, steps=3 if quick else 30, **common)
+    report = gpupar.diagnose_mnist(augment_on=placement, steps=4 if quick else 30, **common)
     print(f"--- augment_on={placement}\n{report.format()}")

@@ -100,7 +100,7 @@ def bench_strategy(num_replicas, splits, batch_size, steps, repeats):
 
     def run_ours(steps_per_call, calls):
         for _ in range(calls):
-            loss_sum, correct_sum, waited, busy = train(iterator, tf.constant(steps_per_call))
+            loss_sum, correct_sum, waited, busy = train(iterator, tf.constant(steps_per_call), tf.constant(False))
             float(loss_sum), float(correct_sum), float(waited), float(busy)  # as gpupar's epoch loop reads them
 
     results = {gpupar_name(k): [] for k in STEPS_PER_CALL}

@@ -2,7 +2,7 @@
 
     python -m gpupar.bench_input                                   # about 3 minutes on 2 cores
     python -m gpupar.bench_input --data_dir=/usr/share/datasets/fashion-mnist --json=runs/bench_input.json
-    python -m gpupar.bench_input --steps=3 --repeats=1 --batch_size=64    # quick check
+    python -m gpupar.bench_input --steps=4 --repeats=1 --batch_size=64    # quick check
 
 Each round runs `gpupar diagnose` (pipeline alone, step alone, both together) for no
 augmentation, host augmentation and device augmentation, one after the other, so machine noise
@@ -20,6 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
+from gpupar.bottleneck import MIN_STEPS  # noqa: E402
 from gpupar.config import Config  # noqa: E402
 from gpupar.diagnose import diagnose  # noqa: E402
 from gpupar.errors import GpuparError  # noqa: E402
@@ -36,15 +37,15 @@ def define_flags():
     """Defines the flags (only when run: gpupar.cli has --data_dir and --batch_size too)."""
     flags.DEFINE_string("data_dir", None, f"Folder with the Fashion-MNIST IDX files; default {DEFAULT_DATA_DIR}.")
     flags.DEFINE_string("json", "runs/bench_input.json", "Write the results to this JSON file.")
-    flags.DEFINE_integer("steps", 20, "Timed steps per measurement.", lower_bound=1)
+    flags.DEFINE_integer("steps", 20, "Timed steps per measurement.", lower_bound=MIN_STEPS)
     flags.DEFINE_integer("repeats", 3, "Rounds over the three placements.", lower_bound=1)
     flags.DEFINE_integer("batch_size", 1024, "Examples per step.", lower_bound=1)
 
 
 def benchmark(data_dir, batch_size, steps, repeats) -> dict:
-    """{placement: {rate name: [one value per round], ...}} from interleaved diagnose runs."""
+    """The run's settings, and per placement each round's rates, input wait and verdict (JSON-ready)."""
     results = {name: {key: [] for key in (*RATES, "input_wait_fraction")} for name in PLACEMENTS}
-    verdicts = {}
+    verdicts = {name: [] for name in PLACEMENTS}
     for _ in range(repeats):
         for name, options in PLACEMENTS.items():
             config = Config(data_dir=data_dir, dataset="fashion_mnist", batch_size=batch_size,
@@ -52,11 +53,17 @@ def benchmark(data_dir, batch_size, steps, repeats) -> dict:
             report = diagnose(config, steps)
             for key in results[name]:
                 results[name][key].append(getattr(report, key))
-            verdicts[name] = report.bound_by
+            verdicts[name].append(report.bound_by)
     return {"batch_size": batch_size, "steps": steps, "repeats": repeats, "results": results, "bound_by": verdicts}
 
 
+def _verdicts(rounds) -> str:
+    """'input pipeline 2/3' style: each verdict with the share of rounds that gave it."""
+    return ", ".join(f"{v} {rounds.count(v)}/{len(rounds)}" for v in sorted(set(rounds), key=rounds.index))
+
+
 def table(report) -> str:
+    """The report as a text table, one row per placement, and the device/host ratio."""
     lines = [f"{'':<20} {'training img/s (median, min-max)':>34} {'pipeline alone':>15} {'step alone':>11}"
              f" {'input wait':>11}  bound by"]
     for name, values in report["results"].items():
@@ -65,7 +72,7 @@ def table(report) -> str:
             f"{name:<20} {statistics.median(together):>12,.0f} ({min(together):,.0f}-{max(together):,.0f})"
             f"{'':>4} {statistics.median(values['input_images_per_second']):>15,.0f}"
             f" {statistics.median(values['step_images_per_second']):>11,.0f}"
-            f" {statistics.median(values['input_wait_fraction']):>11.0%}  {report['bound_by'][name]}")
+            f" {statistics.median(values['input_wait_fraction']):>11.0%}  {_verdicts(report['bound_by'][name])}")
     host, device = (statistics.median(report["results"][n]["together_images_per_second"])
                     for n in ("augment on host", "augment on device"))
     lines.append(f"augmentation on the device trains {device / host:.2f}x as fast as on the host")

@@ -31,6 +31,7 @@ class InputWait:
 
     @property
     def input_bound(self) -> bool:
+        """More than INPUT_BOUND of the step time went into waiting, over at least MIN_STEPS steps."""
         return self.steps >= MIN_STEPS and self.fraction > INPUT_BOUND
 
     def describe(self) -> str:
@@ -40,32 +41,36 @@ class InputWait:
         return f"input wait {self.fraction:.0%} of step time: {'input-bound' if self.input_bound else 'not input-bound'}"
 
 
-def likely_causes(config, input_rate=None, step_rate=None) -> list:
+def likely_causes(config, input_rate=None, step_rate=None, cpus=None) -> list:
     """The likely reasons `config` starves the step, each with its fix, most likely first.
 
     input_rate and step_rate (images/s of the pipeline alone and of the step alone, from
-    `gpupar diagnose`) tell a slow pipeline from one that is fast alone but starved of CPU.
+    `gpupar diagnose`) tell a slow pipeline from one that is fast alone but starved of CPU;
+    cpus is the number of cores the process may use (default: this process's affinity).
     """
+    cpus = cpus or len(os.sched_getaffinity(0))
     causes = []
     if config.augment and config.augment_on == "host":
         causes.append("augmentation runs on the host, one image at a time: use --augment_on=device")
-    cpus = os.cpu_count() or 1
     if config.num_parallel_calls is not None and config.num_parallel_calls < cpus:
         causes.append(f"--num_parallel_calls={config.num_parallel_calls} maps on fewer threads than the "
                       f"{cpus} CPU cores: raise it, or leave it unset for AUTOTUNE")
     if config.data_threads is not None and config.data_threads < cpus:
         causes.append(f"--data_threads={config.data_threads} gives tf.data fewer threads than the {cpus} CPU "
                       "cores: raise it, or leave it unset for TensorFlow's shared pool")
-    if config.deterministic:
-        causes.append("--deterministic makes every batch wait for the slowest before it: drop it unless "
-                      "you need the exact batch order")
-    if input_rate is not None and step_rate is not None and input_rate >= 2 * step_rate:
-        causes.append(f"the pipeline alone delivers {input_rate / step_rate:.0f}x what the step takes, but not "
-                      "while the step runs: they compete for the same CPU cores (on a CPU-only machine the "
-                      "step's own threads); give tf.data a pool of its own with --data_threads")
-    elif input_rate is not None:
-        causes.append("the input pipeline alone is slower than the step: move per-example work into the step "
-                      "or raise --num_parallel_calls")
+    if input_rate is not None and step_rate is not None:
+        ratio = input_rate / step_rate
+        if ratio < 1:
+            causes.append(f"the input pipeline alone is slower than the step ({input_rate:,.0f} against "
+                          f"{step_rate:,.0f} images/s): move per-example work into the step, or raise "
+                          "--num_parallel_calls")
+        elif ratio < 2:
+            causes.append(f"the input pipeline alone is only {ratio:.1f}x as fast as the step: sharing the CPU "
+                          "with the step, it falls behind; make it cheaper (per-example work into the step)")
+        else:
+            causes.append(f"the pipeline alone delivers {ratio:.0f}x what the step takes, but not while the step "
+                          "runs: they compete for the same CPU cores (on a CPU-only machine, the step's own "
+                          "threads); try a pool of its own with --data_threads")
     if not causes:
         causes.append("run `gpupar diagnose` with the same flags: it measures the pipeline and the step apart")
     return causes

@@ -19,6 +19,7 @@ import typing
 from absl import app, flags
 from absl import logging as absl_logging
 
+from gpupar.bottleneck import MIN_STEPS
 from gpupar.config import Config, field_help
 from gpupar.errors import GpuparError
 from gpupar.teardown import exit_without_teardown
@@ -54,7 +55,7 @@ _define_flags()
 flags.DEFINE_boolean("json", False, "gpupar devices / diagnose: print JSON instead of text.")
 flags.DEFINE_string("output", "curves.png", "gpupar plot: the PNG to write.", short_name="o")
 flags.DEFINE_integer("diagnose_steps", 30, "gpupar diagnose: timed steps in each of its three measurements.",
-                     lower_bound=1)
+                     lower_bound=MIN_STEPS)
 COMMANDS = ("devices", "plot", "diagnose")
 
 

@@ -55,7 +55,7 @@ class Config:
       augment: Randomly shift, rotate and zoom the training images.
       augment_on: Where augmentation runs: device (in the train step, batched) or host (tf.data, per image).
       num_parallel_calls: Threads for the tf.data map; empty lets tf.data tune it (AUTOTUNE).
-      deterministic: Keep the exact batch order (needed for bit-exact replay after resume) at some speed.
+      deterministic: Keep the exact example order; False lets a ready example overtake a slow one (no exact replay on resume).
       data_threads: Give tf.data a private pool of this many threads; empty uses TensorFlow's shared pool.
       profile_steps: Capture a TensorBoard profile of this run's steps FIRST,LAST (e.g. 20,40) into log_dir.
     """
@@ -91,7 +91,7 @@ class Config:
     augment: bool = False
     augment_on: str = "device"
     num_parallel_calls: Optional[int] = None
-    deterministic: bool = False
+    deterministic: bool = True
     data_threads: Optional[int] = None
     profile_steps: Optional[Tuple[int, int]] = None
 

@@ -75,7 +75,8 @@ def train_dataset(images, labels, global_batch: int, seed: int, start_step: int 
     the same batches as one that never stopped. The images stay in memory as uint8 (the cache)
     and are normalised, and with augment_on_host warped one by one, after they are drawn.
     `num_parallel_calls` None lets tf.data tune the parallelism; `deterministic` False lets a
-    fast batch overtake a slow one (the same batches, in a slightly different order).
+    ready element overtake a slow one, so the order (and, with host augmentation, which examples
+    share a batch) may change, and a resumed run may see a batch twice and miss another.
     """
     images, labels = tf.constant(images), tf.constant(labels)
     num_examples = int(images.shape[0])

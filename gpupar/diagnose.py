@@ -4,9 +4,10 @@
         --data_dir=/usr/share/datasets/fashion-mnist [--json]
 
 With the same flags as training it builds the same strategy, pipeline and step, and measures
-three rates: the input pipeline alone (batches pulled from the iterator, no model), the train
-step alone (one batch kept on the devices, stepped again and again), and the two together, as
-training runs them, with the input-wait monitor that training uses for its verdict.
+three rates: the train step alone (one batch kept on the devices, stepped again and again), the
+input pipeline alone (batches pulled from the iterator, no model), and the two together as
+training runs them (calls of steps_per_call steps, each read on the host), with the input-wait
+monitor that training uses for its verdict.
 """
 
 import dataclasses
@@ -19,7 +20,8 @@ import tensorflow as tf
 from gpupar import bottleneck
 from gpupar.bottleneck import InputWait
 from gpupar.config import Config
-from gpupar.setup import build_setup, train_iterator
+from gpupar.assembly import assemble, train_iterator
+from gpupar.errors import GpuparError
 from gpupar.train import make_train_function
 
 log = logging.getLogger("gpupar")
@@ -55,9 +57,11 @@ class Report:
     recommendations: tuple
 
     def to_json(self) -> str:
+        """The report as indented JSON, for `gpupar diagnose --json`."""
         return json.dumps(dataclasses.asdict(self), indent=2)
 
     def format(self) -> str:
+        """The report as the text `gpupar diagnose` prints."""
         rows = [
             ("input pipeline alone", self.input_images_per_second),
             ("train step alone (one batch on the devices)", self.step_images_per_second),
@@ -94,49 +98,58 @@ def _pull(iterator, num_steps):
     return total
 
 
-def _timed(run, steps):
-    """Seconds for run(WARM_UP_STEPS) discarded, then for run(steps); run returns the tensors to wait for."""
-    tf.nest.map_structure(lambda t: t.numpy(), run(WARM_UP_STEPS))
+def _seconds(run, steps):
+    """Seconds of run(steps), after a discarded run(WARM_UP_STEPS) that traces and fills pipelines."""
+    run(WARM_UP_STEPS)
     started = time.perf_counter()
-    tf.nest.map_structure(lambda t: t.numpy(), run(steps))
+    run(steps)
     return time.perf_counter() - started
 
 
-def _step_advice(config) -> list:
-    if config.steps_per_call == 1:
-        return ["training is bound by the step: run several steps per call (--steps_per_call) to cut per-step overhead"]
-    return ["training is bound by the step: the input pipeline needs no change"]
+def _in_calls(call, steps: int, per_call: int):
+    """Runs `steps` steps as training does: calls of per_call steps, each call's results read on the host."""
+    done = 0
+    while done < steps:
+        num = min(per_call, steps - done)
+        [float(t) for t in call(num, done == 0)]
+        done += num
 
 
 def diagnose(config: Config, steps: int = 30) -> Report:
-    """Measures the pipeline alone, the step alone and both together under `config`."""
-    s = build_setup(config)
-    batch_images = s.global_batch
-    train = make_train_function(s.strategy, s.model, s.optimizer, s.global_batch, s.skips_nonfinite, s.augment_seed)
+    """Measures the step alone, the pipeline alone and both together under `config`."""
+    if steps < bottleneck.MIN_STEPS:
+        raise GpuparError(f"diagnose_steps={steps}: judging needs at least {bottleneck.MIN_STEPS} timed steps")
+    run = assemble(config)
+    train = make_train_function(run.strategy, run.model, run.optimizer, run.global_batch, run.skips_nonfinite,
+                                run.augment_seed)
+    per_call = config.steps_per_call
 
-    pipeline = train_iterator(config, s)
-    input_seconds = _timed(lambda n: _pull(pipeline, tf.constant(n)), steps)
+    # The step alone first, while no pipeline is running; the batch's own pipeline ends after it.
+    one_batch = _OneBatch(next(train_iterator(config, run, limit=1)))
+    step_seconds = _seconds(lambda n: _in_calls(
+        lambda num, _: train(one_batch, tf.constant(num), tf.constant(False)), n, per_call), steps)
 
-    one_batch = _OneBatch(next(train_iterator(config, s)))
-    step_seconds = _timed(lambda n: train(one_batch, tf.constant(n), tf.constant(False))[:2], steps)
+    pipeline = train_iterator(config, run, limit=WARM_UP_STEPS + steps)  # stops once measured
+    input_seconds = _seconds(lambda n: float(_pull(pipeline, tf.constant(n))), steps)
 
-    together = train_iterator(config, s)
-    wait = InputWait()
+    together, wait = train_iterator(config, run), InputWait()
 
-    def run_together(n):
-        loss, correct, waited, busy = train(together, tf.constant(n), tf.constant(True))
-        if n == steps:
-            wait.add(float(waited), float(busy), n)
+    def measured_call(num, first):
+        loss, correct, waited, busy = train(together, tf.constant(num), tf.constant(first))
+        wait.add(float(waited), float(busy), num)
         return loss, correct
 
-    together_seconds = _timed(run_together, steps)
-    input_bound = wait.input_bound
-    rates = [steps * batch_images / seconds for seconds in (input_seconds, step_seconds, together_seconds)]
+    _in_calls(lambda num, first: train(together, tf.constant(num), tf.constant(first)), WARM_UP_STEPS, per_call)
+    started = time.perf_counter()
+    _in_calls(lambda num, _: measured_call(num, False), steps, per_call)
+    together_seconds = time.perf_counter() - started
+
+    rates = [steps * run.global_batch / seconds for seconds in (input_seconds, step_seconds, together_seconds)]
     return Report(
-        strategy=s.plan.describe().split(";")[0], global_batch=s.global_batch, steps=steps,
+        strategy=run.plan.describe().split(";")[0], global_batch=run.global_batch, steps=steps,
         input_images_per_second=rates[0], step_images_per_second=rates[1], together_images_per_second=rates[2],
-        input_wait_fraction=wait.fraction, input_bound=input_bound,
-        bound_by="input pipeline" if input_bound else "train step",
-        recommendations=tuple(bottleneck.likely_causes(config, rates[0], rates[1]) if input_bound
-                              else _step_advice(config)),
+        input_wait_fraction=wait.fraction, input_bound=wait.input_bound,
+        bound_by="input pipeline" if wait.input_bound else "train step",
+        recommendations=tuple(bottleneck.likely_causes(config, rates[0], rates[1]) if wait.input_bound
+                              else ["training is bound by the step: the input pipeline needs no change"]),
     )

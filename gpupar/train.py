@@ -1,5 +1,6 @@
 """The distributed train and test steps (the inner loop) and the epoch loop (the outer loop)."""
 
+import contextlib
 import logging
 import math
 import signal
@@ -9,7 +10,7 @@ import time
 import keras
 import tensorflow as tf
 
-from gpupar import augment, bottleneck, data, setup, utilisation
+from gpupar import assembly, augment, bottleneck, data, utilisation
 from gpupar.bottleneck import InputWait
 from gpupar.checkpoint import Checkpoints, ModelDirLock, Position
 from gpupar.config import Config
@@ -17,7 +18,6 @@ from gpupar.errors import GpuparError
 from gpupar.interrupt import StopRequests, TrainingInterrupted
 from gpupar.profiling import ProfileWindow
 from gpupar.result import EpochRecord, FitResult
-from gpupar.setup import build_setup
 from gpupar.summaries import Summaries
 from gpupar.teardown import keep_for_process
 
@@ -51,18 +51,32 @@ def steps_in_one_call(batch_step, timed=False):
 
     batch_step(batch) returns two scalars; they come back summed over the steps. With `timed`
     the function takes a third argument, skip_first_wait, and also returns the seconds spent
-    waiting for input batches and in the steps, read from in-graph timestamps so that measuring
-    adds no host round trip. A step's wait is the mean over replicas of the time until the
-    replica has its share of the batch (how long a device sits idle for input);
-    skip_first_wait leaves out the wait for the first batch (a fresh pipeline filling up).
+    waiting for input batches and the rest of the call's time (the steps: forward, backward,
+    update), read from in-graph timestamps so that measuring adds no host round trip. A step's
+    wait is the mean over replicas of the time until the replica has its share of the batch (how
+    long a device sits idle for input); skip_first_wait leaves out the wait for the first batch
+    (a fresh pipeline filling up). On a GPU the timestamps are host-side: the call ends when its
+    sums have reached the host.
     """
 
     @tf.function
-    def run(iterator, num_steps, skip_first_wait=False):
+    def run(iterator, num_steps):
         first, second = tf.constant(0.0), tf.constant(0.0)
-        waited, busy = tf.constant(0.0, tf.float64), tf.constant(0.0, tf.float64)
+        for _ in tf.range(num_steps):
+            a, b = batch_step(next(iterator))
+            first += a
+            second += b
+        return first, second
+
+    @tf.function
+    def timed_run(iterator, num_steps, skip_first_wait):
+        first, second = tf.constant(0.0), tf.constant(0.0)
+        began = tf.timestamp()
+        waited = tf.constant(0.0, tf.float64)
         for i in tf.range(num_steps):
-            with tf.control_dependencies([busy]):
+            # The loop runs one step after another, so a step asks for its batch once the one
+            # before it has finished, update included.
+            with tf.control_dependencies([waited]):
                 asked = tf.timestamp()
             with tf.control_dependencies([asked]):
                 batch = next(iterator)
@@ -70,16 +84,15 @@ def steps_in_one_call(batch_step, timed=False):
             a, b = batch_step(batch)
             first += a
             second += b
-            with tf.control_dependencies([first, second]):
-                done = tf.timestamp()
             counted = tf.logical_not(tf.logical_and(skip_first_wait, tf.equal(i, 0)))
             waited += tf.where(counted, arrived - asked, tf.constant(0.0, tf.float64))
-            busy += done - arrived
-        if timed:
-            return first, second, waited, busy
-        return first, second
+        with tf.device("/cpu:0"):
+            on_host = tf.identity(tf.stack([first, second]))
+        with tf.control_dependencies([on_host, waited]):
+            ended = tf.timestamp()
+        return first, second, waited, ended - began - waited
 
-    return run
+    return timed_run if timed else run
 
 
 def _summed_over_steps(strategy, replica_step, timed=False):
@@ -97,7 +110,7 @@ def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonf
     """Returns train(iterator, num_steps, skip_first_wait) -> (loss sum, correct, input wait s, step s).
 
     It runs num_steps synchronous steps inside one tf.function call; the sums are over replicas
-    and steps, the seconds are from _summed_over_steps. With augment_seed, each replica warps
+    and steps, the seconds are from steps_in_one_call. With augment_seed, each replica warps
     its images (gpupar.augment) at the start of the step, on its own device. With skip_nonfinite the
     optimizer must be a keras.optimizers.LossScaleOptimizer: a step whose loss or gradient is
     not finite on any replica is then dropped on all of them (no update, batch-norm statistics
@@ -232,6 +245,8 @@ class _Loop:
         shown_step, shown_time, shown_loss, shown_correct = step, started, 0.0, 0.0
         updates_before, skipped, shown_skipped = int(self.updates.numpy()), 0, 0
         self.wait = InputWait()
+        if self.gpu_sampler:
+            self.gpu_sampler.take()  # drops the samples of evaluation and saving since the last epoch
         while step < spe:
             if stop.signum:
                 self._interrupt(stop, self._save(epoch, step, lambda: self.checkpoints.save_step(
@@ -309,9 +324,10 @@ def train_and_evaluate(config: Config) -> FitResult:
 
 def _train_and_evaluate(config: Config, stop) -> FitResult:
     started = time.perf_counter()
-    s = build_setup(config)
-    strategy, model, adam, global_batch, steps_per_epoch = s.strategy, s.model, s.adam, s.global_batch, s.steps_per_epoch
-    num_test_steps = data.test_steps(len(s.splits.test_images), global_batch)
+    run = assembly.assemble(config)
+    strategy, model, adam, global_batch, steps_per_epoch = (
+        run.strategy, run.model, run.adam, run.global_batch, run.steps_per_epoch)
+    num_test_steps = data.test_steps(len(run.splits.test_images), global_batch)
     checkpoints = Checkpoints(config.model_dir, model, adam, config.max_to_keep, global_batch)
     saved_at = checkpoints.restore(config.resume)
     start = saved_at.rebatched(global_batch, steps_per_epoch)
@@ -321,9 +337,9 @@ def _train_and_evaluate(config: Config, stop) -> FitResult:
                  saved_at.epoch, steps_per_epoch, global_batch, start.step)
     adam.learning_rate.assign(config.learning_rate)  # the checkpoint's value would win otherwise
 
-    train_iterator = setup.train_iterator(config, s, start.epoch * steps_per_epoch + start.step)
+    train_iterator = assembly.train_iterator(config, run, start.epoch * steps_per_epoch + start.step)
     test_iterator = keep_for_process(iter(strategy.experimental_distribute_dataset(
-        data.test_dataset(s.splits.test_images, s.splits.test_labels, global_batch)
+        data.test_dataset(run.splits.test_images, run.splits.test_labels, global_batch)
     )))
     test = make_test_function(strategy, model)
 
@@ -332,23 +348,23 @@ def _train_and_evaluate(config: Config, stop) -> FitResult:
         return float(correct) / float(count)
 
     summaries = Summaries(config.log_dir)
-    train = make_train_function(strategy, model, s.optimizer, global_batch, s.skips_nonfinite, s.augment_seed)
-    gpu_sampler = utilisation.start_sampler(s.devices.visible_gpus, log)
-    loop = _Loop(config, train, evaluate, checkpoints, summaries, steps_per_epoch, global_batch, adam.iterations,
-                 make_finite_check(model), s.optimizer.dynamic_scale if s.skips_nonfinite else None, gpu_sampler)
-    try:
-        history = loop.run(start, train_iterator, stop)
-    finally:
-        loop.profile.stop()
+    train = make_train_function(strategy, model, run.optimizer, global_batch, run.skips_nonfinite, run.augment_seed)
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(summaries.close)
+        gpu_sampler = utilisation.start_sampler(run.devices.visible_gpus, log)
         if gpu_sampler:
-            gpu_sampler.stop()
-        summaries.close()
+            cleanup.callback(gpu_sampler.stop)
+        loop = _Loop(config, train, evaluate, checkpoints, summaries, steps_per_epoch, global_batch, adam.iterations,
+                     make_finite_check(model), run.optimizer.dynamic_scale if run.skips_nonfinite else None,
+                     gpu_sampler)
+        cleanup.callback(loop.profile.stop)
+        history = loop.run(start, train_iterator, stop)
     test_accuracy = history[-1].test_accuracy if history else evaluate()
     total = time.perf_counter() - started
     log.info("Test accuracy: %.4f; total time: %.1f s", test_accuracy, total)
     result = FitResult(
         model=model, strategy=strategy, history=history, test_accuracy=test_accuracy,
-        total_seconds=total, strategy_description=s.plan.describe(), replicas=s.plan.num_replicas,
+        total_seconds=total, strategy_description=run.plan.describe(), replicas=run.plan.num_replicas,
         global_batch=global_batch, start_epoch=start.epoch, checkpoint=checkpoints.latest,
     )
     if config.metrics_json:

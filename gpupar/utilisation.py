@@ -6,6 +6,7 @@ in the log next to the input-wait monitor's. NVML comes from the optional nvidia
 """
 
 import dataclasses
+import os
 import statistics
 import threading
 from typing import Optional, Sequence
@@ -52,14 +53,32 @@ def summarise(samples: Sequence[GpuSample]) -> list:
     ]
 
 
-def sampling_decision(visible_gpus: Sequence[int], nvml_installed: bool):
-    """(sample?, message): sample the visible GPUs when there are some and NVML can be imported."""
+def nvml_indices(visible_gpus: Sequence[int], cuda_visible_devices: Optional[str]):
+    """NVML's indices of the GPUs TensorFlow numbers visible_gpus, or None when they cannot be told.
+
+    TensorFlow counts the GPUs that CUDA_VISIBLE_DEVICES leaves, NVML counts them all; entries
+    that are not plain indices (GPU UUIDs, MIG names) cannot be mapped here.
+    """
+    if cuda_visible_devices is None:
+        return tuple(visible_gpus)
+    entries = [e.strip() for e in cuda_visible_devices.split(",") if e.strip()]
+    if not all(e.isdigit() for e in entries) or any(i >= len(entries) for i in visible_gpus):
+        return None
+    return tuple(int(entries[i]) for i in visible_gpus)
+
+
+def sampling_decision(visible_gpus: Sequence[int], nvml_installed: bool, cuda_visible_devices: Optional[str] = None):
+    """(NVML indices to sample or None, message): sample the GPUs in use when NVML can see them."""
     if not visible_gpus:
-        return False, "GPU utilisation: no GPU in use, nothing to sample"
+        return None, "GPU utilisation: no GPU in use, nothing to sample"
     if not nvml_installed:
-        return False, ("GPU utilisation: not sampled; install nvidia-ml-py (pip install 'gpupar[nvml]') to log "
-                       "GPU-Util and memory per epoch")
-    return True, f"GPU utilisation: sampling GPU(s) {', '.join(map(str, visible_gpus))} every {INTERVAL_SECONDS} s"
+        return None, ("GPU utilisation: not sampled; install nvidia-ml-py (pip install 'gpupar[nvml]') to log "
+                      "GPU-Util and memory per epoch")
+    indices = nvml_indices(visible_gpus, cuda_visible_devices)
+    if indices is None:
+        return None, (f"GPU utilisation: not sampled; CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} does not map "
+                      "TensorFlow's GPUs to NVML indices (give plain indices)")
+    return indices, f"GPU utilisation: sampling NVML GPU(s) {', '.join(map(str, indices))} every {INTERVAL_SECONDS} s"
 
 
 class GpuSampler:
@@ -68,7 +87,11 @@ class GpuSampler:
     def __init__(self, nvml, gpus: Sequence[int], interval: float = INTERVAL_SECONDS):
         self.nvml, self.interval = nvml, interval
         nvml.nvmlInit()
-        self.handles = [(gpu, nvml.nvmlDeviceGetHandleByIndex(gpu)) for gpu in gpus]
+        try:
+            self.handles = [(gpu, nvml.nvmlDeviceGetHandleByIndex(gpu)) for gpu in gpus]
+        except nvml.NVMLError:
+            nvml.nvmlShutdown()
+            raise
         self.samples, self.lock, self.stopped = [], threading.Lock(), threading.Event()
         self.thread = threading.Thread(target=self._sample, name="gpupar-nvml", daemon=True)
         self.thread.start()
@@ -105,12 +128,12 @@ def start_sampler(visible_gpus: Sequence[int], log) -> Optional[GpuSampler]:
         import pynvml
     except ImportError:
         pynvml = None
-    sample, message = sampling_decision(visible_gpus, pynvml is not None)
+    indices, message = sampling_decision(visible_gpus, pynvml is not None, os.environ.get("CUDA_VISIBLE_DEVICES"))
     log.info(message)
-    if not sample:
+    if indices is None:
         return None
     try:
-        return GpuSampler(pynvml, visible_gpus)
+        return GpuSampler(pynvml, indices)
     except pynvml.NVMLError as e:
         log.info("GPU utilisation: NVML failed (%s); not sampled", e)
         return None

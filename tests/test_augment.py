@@ -1,6 +1,7 @@
 """Augmentation: the host and device placements warp alike, and every replica draws its own warps."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from conftest import synthetic_digits
@@ -64,3 +65,16 @@ def test_every_replica_warps_its_images_its_own_way():
 
     first, second = strategy.experimental_local_results(strategy.run(tf.function(warp)))
     assert np.abs(first.numpy() - second.numpy()).max() > 0.1
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_resumed_run_warps_as_an_uninterrupted_one(shared_idx_dir, tmp_path, placement):
+    import gpupar
+
+    options = dict(data_dir=shared_idx_dir, batch_size=16, steps_per_epoch=3, dropout=0.0, augment=True,
+                   augment_on=placement)
+    whole = gpupar.fit_mnist(epochs=2, **options)
+    gpupar.fit_mnist(epochs=1, model_dir=str(tmp_path), **options)
+    resumed = gpupar.fit_mnist(epochs=2, model_dir=str(tmp_path), resume=True, **options)
+    for a, b in zip(whole.model.get_weights(), resumed.model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)

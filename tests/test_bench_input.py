@@ -12,7 +12,7 @@ def test_quick_input_benchmark_measures_every_placement(tmp_path):
     out = tmp_path / "b.json"
     done = subprocess.run(
         [sys.executable, "-m", "gpupar.bench_input", "--data_dir", folder, "--json", str(out),
-         "--steps=2", "--repeats=1", "--batch_size=32"],
+         "--steps=4", "--repeats=1", "--batch_size=32"],
         capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -58,13 +58,13 @@ def test_the_other_flags_map_onto_the_config(parse, tmp_path):
 
 
 def test_input_pipeline_flags_map_onto_the_config(parse, tmp_path):
-    c = parse("--augment", "--augment_on=host", "--num_parallel_calls=3", "--deterministic", "--data_threads=2",
+    c = parse("--augment", "--augment_on=host", "--num_parallel_calls=3", "--nodeterministic", "--data_threads=2",
               f"--log_dir={tmp_path}", "--profile_steps=20,40")
     assert (c.augment, c.augment_on, c.num_parallel_calls, c.deterministic, c.data_threads, c.profile_steps) == (
-        True, "host", 3, True, 2, (20, 40))
+        True, "host", 3, False, 2, (20, 40))
     defaults = parse()
     assert (defaults.augment, defaults.augment_on, defaults.num_parallel_calls, defaults.deterministic) == (
-        False, "device", None, False)
+        False, "device", None, True)
 
 
 def test_resume_flags(parse, tmp_path):

@@ -12,6 +12,7 @@ from conftest import make_idx_dir
 from gpupar import augment
 from gpupar.config import Config
 from gpupar.diagnose import diagnose
+from gpupar.errors import GpuparError
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +46,21 @@ def test_device_augmentation_is_bound_by_the_step(idx_dir):
     assert report.recommendations and "--augment_on" not in report.recommendations[0]
 
 
+def test_too_few_steps_to_judge_is_an_error_before_any_work(idx_dir):
+    with pytest.raises(GpuparError, match="diagnose_steps=3: judging needs at least 4 timed steps"):
+        diagnose(_config(idx_dir), steps=3)
+
+
 def test_cli_prints_json(idx_dir):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     out = subprocess.run(
-        [sys.executable, "-m", "gpupar", "diagnose", f"--data_dir={idx_dir}", "--batch_size=256", "--diagnose_steps=3",
+        [sys.executable, "-m", "gpupar", "diagnose", f"--data_dir={idx_dir}", "--batch_size=256", "--diagnose_steps=4",
          "--json"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout[out.stdout.index("{"):])
     assert set(report) >= {"input_images_per_second", "step_images_per_second", "together_images_per_second",
                            "input_wait_fraction", "input_bound", "bound_by", "recommendations"}
-    assert report["steps"] == 3 and report["global_batch"] == 256
+    assert report["steps"] == 4 and report["global_batch"] == 256
 
 
 def test_cli_bad_flag_fails_before_any_work(idx_dir):

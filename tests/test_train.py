@@ -16,8 +16,7 @@ ATOL = 1e-5
 
 
 def _fit(idx_dir, **options):
-    defaults = dict(data_dir=idx_dir, epochs=1, steps_per_epoch=4, dropout=0.0, seed=0, display_step=100,
-                    deterministic=True)
+    defaults = dict(data_dir=idx_dir, epochs=1, steps_per_epoch=4, dropout=0.0, seed=0, display_step=100)
     return gpupar.fit_mnist(**{**defaults, **options})
 
 

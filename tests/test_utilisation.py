@@ -9,10 +9,19 @@ from gpupar.utilisation import GpuSample
 
 
 def test_decision_says_why_nothing_is_sampled():
-    assert utilisation.sampling_decision((), nvml_installed=True) == (False, "GPU utilisation: no GPU in use, nothing to sample")
-    sample, message = utilisation.sampling_decision((0, 1), nvml_installed=False)
-    assert not sample and "pip install 'gpupar[nvml]'" in message
-    assert utilisation.sampling_decision((0, 1), nvml_installed=True)[0]
+    assert utilisation.sampling_decision((), nvml_installed=True) == (None, "GPU utilisation: no GPU in use, nothing to sample")
+    indices, message = utilisation.sampling_decision((0, 1), nvml_installed=False)
+    assert indices is None and "pip install 'gpupar[nvml]'" in message
+    assert utilisation.sampling_decision((0, 1), nvml_installed=True)[0] == (0, 1)
+    indices, message = utilisation.sampling_decision((0,), nvml_installed=True, cuda_visible_devices="GPU-8f2a,GPU-77c1")
+    assert indices is None and "give plain indices" in message
+
+
+def test_tensorflow_gpu_numbers_map_through_cuda_visible_devices():
+    assert utilisation.nvml_indices((0, 1), None) == (0, 1)
+    assert utilisation.nvml_indices((0, 1), "2,3") == (2, 3)
+    assert utilisation.nvml_indices((1,), " 5, 7 ") == (7,)
+    assert utilisation.nvml_indices((0, 2), "2,3") is None
 
 
 def test_summaries_per_gpu():

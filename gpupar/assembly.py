@@ -1,7 +1,7 @@
 """What every run builds before its first step: devices, strategy, data, model, optimizer, input.
 
-Training (gpupar.train) and `gpupar diagnose` (gpupar.diagnose) build the same things, so that
-diagnose measures the step and the pipeline that training would run.
+Training (gpupar.train) and `gpupar diagnose` (gpupar.diagnose) assemble the same parts, so
+that diagnose measures the step and the pipeline that training would run.
 """
 
 import dataclasses
@@ -22,8 +22,8 @@ log = logging.getLogger("gpupar")
 
 
 @dataclasses.dataclass
-class Setup:
-    """A run's strategy, data and model, built under the strategy's scope.
+class Assembly:
+    """A run's devices, strategy, data, model and optimizer (built under the strategy's scope).
 
     Attributes:
       devices: The device settings applied to the runtime (visible GPUs, memory, virtual CPUs).
@@ -51,10 +51,11 @@ class Setup:
 
     @property
     def skips_nonfinite(self) -> bool:
+        """Whether the optimizer is the loss-scale wrapper that drops non-finite steps."""
         return self.optimizer is not self.adam
 
 
-def build_setup(config: Config) -> Setup:
+def assemble(config: Config) -> Assembly:
     """Configures the devices, then builds the strategy, loads the data and builds the model."""
     devices = configure_devices(config)
     plan = detected_plan(config.strategy, config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1)
@@ -82,14 +83,19 @@ def build_setup(config: Config) -> Setup:
     if config.augment:
         log.info("augmentation: random shifts, rotations and zooms, on the %s", config.augment_on)
     augment_seed = config.seed if config.augment and config.augment_on == "device" else None
-    return Setup(devices, plan, strategy, splits, global_batch, steps_per_epoch, model, adam, optimizer, augment_seed)
+    return Assembly(devices, plan, strategy, splits, global_batch, steps_per_epoch, model, adam, optimizer, augment_seed)
 
 
-def train_iterator(config: Config, setup: Setup, start_step: int = 0):
-    """The distributed iterator over training batches from global step start_step, kept for the process."""
+def train_iterator(config: Config, run: Assembly, start_step: int = 0, limit: Optional[int] = None):
+    """The distributed iterator over training batches from global step start_step, kept for the process.
+
+    With `limit` it ends after that many batches, and its pipeline stops working then.
+    """
     dataset = data.train_dataset(
-        setup.splits.train_images, setup.splits.train_labels, setup.global_batch, config.seed, start_step=start_step,
+        run.splits.train_images, run.splits.train_labels, run.global_batch, config.seed, start_step=start_step,
         augment_on_host=config.augment and config.augment_on == "host", num_parallel_calls=config.num_parallel_calls,
         deterministic=config.deterministic, threads=config.data_threads,
     )
-    return keep_for_process(iter(setup.strategy.experimental_distribute_dataset(dataset)))
+    if limit is not None:
+        dataset = dataset.take(limit)
+    return keep_for_process(iter(run.strategy.experimental_distribute_dataset(dataset)))
