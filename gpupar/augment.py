@@ -4,8 +4,8 @@ Both placements draw each image's parameters from the same stateless random op a
 same bilinear projective map, so they give the same distribution of outputs. On the device the
 warp is one batched TensorFlow op inside the train step. On the host it is the classic pipeline:
 NumPy, one image at a time, in the tf.data map (as Keras' ImageDataGenerator or a PIL pipeline
-does it); Python holds the GIL, so it gets about one core however many map threads it has. Keras' RandomRotation/RandomTranslation/RandomZoom
-are not used: like Keras' Dropout they read one seed state shared by every replica, so under
+does it): a Python call and a dozen small NumPy operations per image. Keras'
+RandomRotation/RandomTranslation/RandomZoom are not used: like Keras' Dropout they read one seed state shared by every replica, so under
 MirroredStrategy each replica would warp its images exactly like the others.
 """
 

@@ -93,7 +93,8 @@ def train_dataset(images, labels, global_batch: int, seed: int, start_step: int 
     if augment_on_host:
         # The classic way: a map over single examples, each warped in Python on the CPU.
         def examples(number):
-            return tf.data.Dataset.from_tensor_slices((order(number), tf.range(per_pass * global_batch, dtype=tf.int64))).map(
+            positions = tf.range(per_pass * global_batch, dtype=tf.int64)
+            return tf.data.Dataset.from_tensor_slices((order(number), positions)).map(
                 lambda index, position: (number, position, index))
 
         def warp(number, position, index):
@@ -106,7 +107,8 @@ def train_dataset(images, labels, global_batch: int, seed: int, start_step: int 
         def gather(batch):
             return _normalise(tf.gather(images, batch), tf.gather(labels, batch))
 
-        ds = passes.flat_map(lambda number: tf.data.Dataset.from_tensor_slices(order(number)).batch(global_batch, drop_remainder=True))
+        ds = passes.flat_map(
+            lambda number: tf.data.Dataset.from_tensor_slices(order(number)).batch(global_batch, drop_remainder=True))
         ds = ds.skip(skip).map(gather, num_parallel_calls=parallel)
     return ds.prefetch(tf.data.AUTOTUNE).with_options(_options(deterministic, threads))
 

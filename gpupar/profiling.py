@@ -26,11 +26,13 @@ class ProfileWindow:
         return num
 
     def before(self, done: int):
+        """Starts the capture when the next call begins the window (`done` steps run so far)."""
         if self.first and done == self.first - 1 and not self.running:
             tf.profiler.experimental.start(self.log_dir)
             self.running = True
 
     def after(self, done: int):
+        """Stops the capture once the window's last step has run."""
         if self.running and done >= self.last:
             self.stop()
             log.info("profiled steps %d..%d of this run into %s (TensorBoard: Profile tab)",
