@@ -10,11 +10,11 @@ import tensorflow as tf
 
 from gpupar import data
 from gpupar.checkpoint import Checkpoints, ModelDirLock, Position
-from gpupar.config import Config
+from gpupar.config import MODEL_PARALLEL, Config
 from gpupar.devices import configure_devices
 from gpupar.errors import GpuparError
 from gpupar.interrupt import StopRequests, TrainingInterrupted
-from gpupar.model import build_convnet
+from gpupar.model import build_model
 from gpupar.result import EpochRecord, FitResult
 from gpupar.strategy import build_strategy, detected_plan
 from gpupar.summaries import Summaries
@@ -228,7 +228,7 @@ class _Loop:
 
 
 def train_and_evaluate(config: Config) -> FitResult:
-    """Trains the ConvNet as the config says, evaluating and checkpointing after every epoch."""
+    """Trains config.model as the config says, evaluating and checkpointing after every epoch."""
     with ModelDirLock(config.model_dir), StopRequests() as stop:
         return _train_and_evaluate(config, stop)
 
@@ -236,6 +236,10 @@ def train_and_evaluate(config: Config) -> FitResult:
 def _train_and_evaluate(config: Config, stop) -> FitResult:
     started = time.perf_counter()
     configure_devices(config)
+    if config.strategy == MODEL_PARALLEL:
+        from gpupar import model_parallel  # it builds on this module's loop
+
+        return model_parallel.train_and_evaluate(config, stop, started)
     plan = detected_plan(config.strategy, config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1)
     log.info(plan.describe())
     strategy = build_strategy(plan)
@@ -252,7 +256,7 @@ def _train_and_evaluate(config: Config, stop) -> FitResult:
 
     skip = config.nan_policy == "skip"
     with strategy.scope():
-        model = build_convnet(config.dropout, config.sync_batch_norm, seed=config.seed)
+        model = build_model(config)
         adam = keras.optimizers.Adam(config.learning_rate)
         # Keras' loss-scale optimizer is what skips non-finite steps. Its scale starts at 1, halves
         # on a skipped step (the loop puts it back to 1 after every call) and never grows; powers
