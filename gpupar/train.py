@@ -70,7 +70,8 @@ def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonf
             per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
             # Each replica divides by the GLOBAL batch, so summing over replicas gives the mean.
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
-            loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+            if model.losses:  # the LSTM has no weight penalty
+                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
             differentiated = optimizer.scale_loss(loss) if skip_nonfinite else loss
         grads = tape.gradient(differentiated, model.trainable_variables)
         correct = _correct(logits, labels)
