@@ -1,5 +1,6 @@
 """strategy=model_parallel: stage plans, placement read from the placed graph, numerics, checkpoints."""
 
+import json
 import re
 
 import keras
@@ -239,3 +240,18 @@ def test_checkpoints_move_between_split_and_unsplit_models(shared_idx_dir, tmp_p
     for result in (split_then_unsplit, unsplit_then_split):
         assert max(float(np.max(np.abs(a - b))) for a, b in zip(final, result.model.get_weights())) < 1e-5
     assert split_then_unsplit.test_accuracy == unsplit_then_split.test_accuracy == unsplit.test_accuracy
+
+
+def test_pipeline_benchmark_reports_m1_and_m4_on_one_and_several_devices(shared_idx_dir):
+    from gpupar import bench_pipeline
+
+    report = bench_pipeline.benchmark(shared_idx_dir, batch_size=16, steps=1, repeats=1, lstm_units=8,
+                                      names=("lstm-2",))
+    rows = {(r["placement"], r["microbatches"]): r for r in report["configurations"]}
+    assert set(rows) == {(p, m) for p in ("1 device", "2 devices") for m in (1, 4)}
+    assert rows["2 devices", 4]["devices"] == ["/cpu:0", "/cpu:1"] and rows["1 device", 4]["devices"] == ["/cpu:0"]
+    assert all(r["median"] > 0 and len(r["images_per_second"]) == 1 for r in rows.values())
+    assert rows["2 devices", 4]["ideal_speedup_over_m1"] == pytest.approx(1.6)  # 2 * 4 / (4 + 2 - 1)
+    assert rows["1 device", 4]["ideal_speedup_over_m1"] == 1.0 and rows["2 devices", 1]["speedup_over_m1"] == 1.0
+    assert "lstm-2   2 devices    4" in bench_pipeline.table(report)
+    json.dumps(report)  # what the script writes
