@@ -9,7 +9,8 @@ Each model runs split over as many virtual CPUs as it has stages, and, as the ba
 every stage on /cpu:0 (the same pipeline code, no device crossings), each with M=1 and M=4
 micro-batches. Every round times `steps` steps of each configuration in one call, after an
 untimed warm-up, so machine noise hits them alike. "ideal" is GPipe's speed-up over M=1 on
-devices that run in parallel, S*M / (M + S - 1); virtual CPUs share the machine's cores.
+devices that run in parallel, S*M / (M + S - 1); virtual CPUs share the machine's cores. The
+ratios ("vs M=1", "vs 1 device") are medians of ratios taken within each round.
 """
 
 import json
@@ -94,6 +95,11 @@ def configurations(splits, batch_size, lstm_units, names=MODELS):
     return rows
 
 
+def _paired(row, baseline):
+    """Median over rounds of row's images/s divided by baseline's in the same round."""
+    return statistics.median(a / b for a, b in zip(row["images_per_second"], baseline["images_per_second"]))
+
+
 def benchmark(data_dir, batch_size, steps, repeats, lstm_units, names=MODELS):
     """Times every configuration in interleaved rounds; returns the JSON-ready report."""
     splits = data.load_splits("fashion_mnist", data_dir)
@@ -109,9 +115,10 @@ def benchmark(data_dir, batch_size, steps, repeats, lstm_units, names=MODELS):
         del row["run"]
         row.update(median=statistics.median(row["images_per_second"]), min=min(row["images_per_second"]),
                    max=max(row["images_per_second"]))
-        row["speedup_over_m1"] = row["median"] / by_key[row["model"], row["placement"], 1]["median"]
+        # Ratios within each round, where the machine's load was the same, then their median.
+        row["speedup_over_m1"] = _paired(row, by_key[row["model"], row["placement"], 1])
         row["ideal_speedup_over_m1"] = ideal_speedup(len(row["devices"]), row["microbatches"])
-        row["vs_one_device"] = row["median"] / by_key[row["model"], "1 device", row["microbatches"]]["median"]
+        row["vs_one_device"] = _paired(row, by_key[row["model"], "1 device", row["microbatches"]])
     return {
         "machine": {"nproc": len(os.sched_getaffinity(0)), "platform": platform.platform(),
                     "python": platform.python_version(), "tensorflow": tf.__version__, "keras": keras.__version__},

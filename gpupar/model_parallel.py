@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from gpupar import data
 from gpupar.checkpoint import Checkpoints
+from gpupar.errors import GpuparError
 from gpupar.model import build_model, layer_stages, num_stages
 from gpupar.result import FitResult
 from gpupar.stages import StagePlan, plan_stages
@@ -47,13 +48,14 @@ class Pipeline:
     """The layers of a gpupar Sequential model grouped into stages and run on a StagePlan's devices.
 
     Micro-batch i of replica r is piece r * microbatches + i of the batch; its stage k runs on
-    plan.replicas[r][k], in name scopes forward_r{r}_s{k}_m{i} and backward_r{r}_s{k}_m{i}.
+    plan.replicas[r][k], forward ops in name scope forward_r{r}_s{k}_m{i} (TensorFlow names their
+    gradient ops gradient_tape/.../forward_r{r}_s{k}_m{i}/...), gradient sums in accumulate_*.
     """
 
     def __init__(self, model, plan: StagePlan, microbatches: int = 1):
         stage_of = layer_stages(model.layers)
         if stage_of[-1] + 1 != plan.num_stages:
-            raise ValueError(f"{model.name} has {stage_of[-1] + 1} stages but the plan has {plan.num_stages}")
+            raise GpuparError(f"{model.name} has {stage_of[-1] + 1} stages but the plan has {plan.num_stages}")
         self.model, self.plan, self.microbatches = model, plan, microbatches
         self.stages = [[layer for layer, s in zip(model.layers, stage_of) if s == k] for k in range(plan.num_stages)]
         self.variables = [[v for layer in stage for v in layer.trainable_variables] for stage in self.stages]
@@ -105,7 +107,7 @@ class Pipeline:
                 upstream = None
                 for k in reversed(range(num_s)):
                     tape, x, out = taped[r, i][k]
-                    with tf.device(devices[k]), tf.name_scope(f"backward_r{r}_s{k}_m{i}"):
+                    with tf.device(devices[k]):
                         sources = [*self.variables[k], x] if k else self.variables[k]
                         grads = tape.gradient(out, sources, output_gradients=upstream, unconnected_gradients=ZERO)
                     per_stage[k][r].append(grads[:len(self.variables[k])])
