@@ -23,6 +23,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402  (the environment variable must come first)
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
@@ -31,7 +32,7 @@ from gpupar import data  # noqa: E402
 from gpupar.config import Config  # noqa: E402
 from gpupar.devices import configure_devices  # noqa: E402
 from gpupar.errors import GpuparError  # noqa: E402
-from gpupar.model import build_convnet, build_lstm  # noqa: E402
+from gpupar.model import build_convnet, build_lstm, staged_sequential  # noqa: E402
 from gpupar.model_parallel import Pipeline, make_train_function  # noqa: E402
 from gpupar.stages import StagePlan, plan_stages  # noqa: E402
 from gpupar.teardown import exit_without_teardown, keep_for_process  # noqa: E402
@@ -100,7 +101,62 @@ def _paired(row, baseline):
     return statistics.median(a / b for a, b in zip(row["images_per_second"], baseline["images_per_second"]))
 
 
-def benchmark(data_dir, batch_size, steps, repeats, lstm_units, names=MODELS):
+class Busy(keras.layers.Layer):
+    """The identity, after holding its thread for `seconds` x its share of the batch, without using a core.
+
+    It stands in for a stage's compute in the schedule probe: the time a step takes then shows
+    how much of the stages' work TensorFlow ran at the same time, whatever else the cores do.
+    """
+
+    def __init__(self, seconds, batch, **kwargs):
+        super().__init__(**kwargs)
+        self.seconds, self.batch = seconds, batch
+
+    def call(self, x):
+        def hold(values):
+            time.sleep(self.seconds * len(values) / self.batch)
+            return np.float32(0)
+
+        # x itself is the input, so the wait runs in the step, after x is ready; stateless, so
+        # the waits of different micro-batches are not put in program order.
+        return x + tf.ensure_shape(tf.numpy_function(hold, [x], tf.float32, stateful=False), [])
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+def schedule_probe(splits, batch_size, seconds=0.2, repeats=3):
+    """Step time of a 3-stage pipeline whose stages only wait `seconds` per batch in the forward pass.
+
+    Run one after another, the three waits take 3 x seconds whatever M is; with M micro-batches
+    overlapped as GPipe does, (M + 2) / M x seconds.
+    """
+    devices = [f"/cpu:{i}" for i in range(MAX_DEVICES)]
+    dataset = data.train_dataset(splits.train_images, splits.train_labels, batch_size, SEED)
+    rows = []
+    for placement, plan in (("1 device", StagePlan(((devices[0],) * 3,))), ("3 devices", plan_stages(devices, 3))):
+        layers = [keras.layers.Reshape((28, 28))]
+        for k in range(3):
+            layers += [keras.layers.LSTM(2, return_sequences=k < 2), Busy(seconds, batch_size)]
+        model = staged_sequential("probe", [*layers, keras.layers.Dense(10)], plan.variable_devices)
+        optimizer = keras.optimizers.Adam(1e-3)
+        optimizer.build(model.trainable_variables)
+        for microbatches in MICROBATCHES:
+            train = make_train_function(Pipeline(model, plan, microbatches), optimizer, batch_size)
+            iterator = keep_for_process(iter(dataset))
+            float(train(iterator, tf.constant(1))[0])  # tracing
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                float(train(iterator, tf.constant(1))[0])
+                times.append(time.perf_counter() - started)
+            rows.append({"placement": placement, "microbatches": microbatches, "stage_seconds": seconds,
+                         "step_seconds": statistics.median(times), "one_after_another": 3 * seconds,
+                         "gpipe_overlap": (microbatches + 2) / microbatches * seconds})
+    return rows
+
+
+def benchmark(data_dir, batch_size, steps, repeats, lstm_units, names=MODELS, probe_seconds=0.2):
     """Times every configuration in interleaved rounds; returns the JSON-ready report."""
     splits = data.load_splits("fashion_mnist", data_dir)
     rows = configurations(splits, batch_size, lstm_units, names)
@@ -110,6 +166,7 @@ def benchmark(data_dir, batch_size, steps, repeats, lstm_units, names=MODELS):
             started = time.perf_counter()
             row["run"](steps)
             row["images_per_second"].append(steps * batch_size / (time.perf_counter() - started))
+    probe = schedule_probe(splits, batch_size, probe_seconds, repeats)
     by_key = {(r["model"], r["placement"], r["microbatches"]): r for r in rows}
     for row in rows:
         del row["run"]
@@ -123,7 +180,7 @@ def benchmark(data_dir, batch_size, steps, repeats, lstm_units, names=MODELS):
         "machine": {"nproc": len(os.sched_getaffinity(0)), "platform": platform.platform(),
                     "python": platform.python_version(), "tensorflow": tf.__version__, "keras": keras.__version__},
         "data_dir": data_dir, "batch_size": batch_size, "steps": steps, "repeats": repeats,
-        "lstm_units": lstm_units, "configurations": rows,
+        "lstm_units": lstm_units, "configurations": rows, "schedule_probe": probe,
     }
 
 
@@ -135,6 +192,11 @@ def table(report):
         lines.append(f"{r['model']:<9}{r['placement']:<11}{r['microbatches']:>3}{r['median']:>14,.0f}"
                      f"{r['min']:>9,.0f}{r['max']:>9,.0f}{r['speedup_over_m1']:>7.2f}x{r['ideal_speedup_over_m1']:>6.2f}x"
                      f"{r['vs_one_device']:>12.2f}x")
+    lines.append("schedule probe: 3 stages that each wait (not compute) for the seconds below per batch")
+    lines.append(f"{'placement':<11}{'M':>3}{'step s':>9}{'one after another':>19}{'GPipe overlap':>15}")
+    for r in report["schedule_probe"]:
+        lines.append(f"{r['placement']:<11}{r['microbatches']:>3}{r['step_seconds']:>9.3f}"
+                     f"{r['one_after_another']:>19.3f}{r['gpipe_overlap']:>15.3f}")
     return "\n".join(lines)
 
 

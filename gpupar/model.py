@@ -105,7 +105,7 @@ def build_convnet(dropout: float = 0.5, sync_batch_norm: bool = False, l2: float
         ReplicaDropout(dropout, seed=seed),
         keras.layers.Dense(NUM_CLASSES, kernel_initializer=init(), kernel_regularizer=keras.regularizers.L2(l2)),
     ]
-    return _sequential("convnet", layers, stage_devices)
+    return staged_sequential("convnet", layers, stage_devices)
 
 
 def build_lstm(num_layers: int = 3, units: int = 128, seed: int = 0, stage_devices: Optional[Sequence[str]] = None):
@@ -122,11 +122,11 @@ def build_lstm(num_layers: int = 3, units: int = 128, seed: int = 0, stage_devic
             recurrent_initializer=keras.initializers.Orthogonal(seed=seed * 100 + 2 * i + 1),
         ))
     layers.append(keras.layers.Dense(NUM_CLASSES, kernel_initializer=keras.initializers.GlorotUniform(seed=seed * 100 + 99)))
-    return _sequential("lstm", layers, stage_devices)
+    return staged_sequential("lstm", layers, stage_devices)
 
 
 def build_model(config, stage_devices: Optional[Sequence[str]] = None):
-    """The model config.model names, built with config's options (stage_devices: see _sequential)."""
+    """The model config.model names, built with config's options (stage_devices: see staged_sequential)."""
     if config.model == "lstm":
         return build_lstm(config.lstm_layers, config.lstm_units, seed=config.seed, stage_devices=stage_devices)
     return build_convnet(config.dropout, config.sync_batch_norm, seed=config.seed, stage_devices=stage_devices)
@@ -153,7 +153,7 @@ def num_stages(config) -> int:
     return config.lstm_layers if config.model == "lstm" else 2
 
 
-def _sequential(name, layers, stage_devices=None):
+def staged_sequential(name, layers, stage_devices=None):
     """keras.Sequential([Input((28, 28, 1)), *layers]); with stage_devices, stage k's variables on device k.
 
     Layers are added one at a time so each builds (creates its variables) under its stage's

@@ -62,6 +62,11 @@ def test_bad_model_parallel_options_are_refused(options, message):
         gpupar.Config(**options)
 
 
+def test_model_parallel_is_not_a_tf_distribute_strategy():
+    with pytest.raises(GpuparError, match="gpupar's own pipeline, not a tf.distribute strategy"):
+        gpupar.plan_strategy("model_parallel", [], CPUS)
+
+
 def test_where_the_models_split():
     convnet, lstm = build_convnet(0.0), build_lstm(3, 8)
     assert layer_stages(convnet.layers) == [0] * 8 + [1] * 6  # convolutions | flatten, dense head
