@@ -251,12 +251,19 @@ def test_pipeline_benchmark_reports_m1_and_m4_on_one_and_several_devices(shared_
     from gpupar import bench_pipeline
 
     report = bench_pipeline.benchmark(shared_idx_dir, batch_size=16, steps=1, repeats=1, lstm_units=8,
-                                      names=("lstm-2",))
+                                      names=("lstm-2",), probe_seconds=0.01)
     rows = {(r["placement"], r["microbatches"]): r for r in report["configurations"]}
     assert set(rows) == {(p, m) for p in ("1 device", "2 devices") for m in (1, 4)}
     assert rows["2 devices", 4]["devices"] == ["/cpu:0", "/cpu:1"] and rows["1 device", 4]["devices"] == ["/cpu:0"]
     assert all(r["median"] > 0 and len(r["images_per_second"]) == 1 for r in rows.values())
     assert rows["2 devices", 4]["ideal_speedup_over_m1"] == pytest.approx(1.6)  # 2 * 4 / (4 + 2 - 1)
     assert rows["1 device", 4]["ideal_speedup_over_m1"] == 1.0 and rows["2 devices", 1]["speedup_over_m1"] == 1.0
+    probe = {(r["placement"], r["microbatches"]): r for r in report["schedule_probe"]}
+    assert set(probe) == {(p, m) for p in ("1 device", "3 devices") for m in (1, 4)}
+    assert probe["3 devices", 4]["gpipe_overlap"] == pytest.approx(0.015)  # (4 + 2) / 4 x 0.01 s
+    # Not a timing target: the critical path of the waits bounds any schedule, so this fails only
+    # when the waits did not run in the step (pruned or hoisted out of it).
+    assert probe["3 devices", 4]["critical_path"] == pytest.approx(0.0075)  # 3 / 4 x 0.01 s
+    assert all(r["step_seconds"] >= r["critical_path"] for r in probe.values())
     assert "lstm-2   2 devices    4" in bench_pipeline.table(report)
     json.dumps(report)  # what the script writes
