@@ -267,3 +267,12 @@ def test_pipeline_benchmark_reports_m1_and_m4_on_one_and_several_devices(shared_
     assert all(r["step_seconds"] >= r["critical_path"] for r in probe.values())
     assert "lstm-2   2 devices    4" in bench_pipeline.table(report)
     json.dumps(report)  # what the script writes
+
+
+def test_the_lstm_also_trains_data_parallel(shared_idx_dir):
+    result = _fit(shared_idx_dir, strategy="mirrored", virtual_cpus=2, batch_size=16, epochs=1)
+    keras.utils.set_random_seed(0)
+    initial = build_lstm(3, 16, seed=0).get_weights()
+    assert result.replicas == 2 and "MirroredStrategy" in result.strategy_description
+    assert all(np.isfinite(w).all() for w in result.model.get_weights())
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(result.model.get_weights(), initial)) > 1e-3
