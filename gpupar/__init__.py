@@ -14,6 +14,7 @@ import sys
 from gpupar.config import Config
 from gpupar.devices import DevicePlan, plan_devices
 from gpupar.errors import GpuparError
+from gpupar.stages import StagePlan, plan_stages
 from gpupar.strategy import Plan, plan_strategy
 
 _LAZY = {
@@ -21,13 +22,14 @@ _LAZY = {
     "make_strategy": "gpupar.strategy",
     "build_strategy": "gpupar.strategy",
     "build_convnet": "gpupar.model",
+    "build_lstm": "gpupar.model",
     "train_and_evaluate": "gpupar.train",
     "FitResult": "gpupar.result",
     "EpochRecord": "gpupar.result",
 }
 
-__all__ = ["Config", "DevicePlan", "GpuparError", "Plan", "diagnose_mnist", "fit_mnist", "plan_devices", "plan_strategy",
-           *_LAZY]
+__all__ = ["Config", "DevicePlan", "GpuparError", "Plan", "StagePlan", "diagnose_mnist", "fit_mnist", "plan_devices",
+           "plan_stages", "plan_strategy", *_LAZY]
 
 
 class _StdoutHandler(logging.StreamHandler):
@@ -56,7 +58,7 @@ def __getattr__(name):
 
 
 def fit_mnist(config: Config = None, **options):
-    """Trains the MNIST ConvNet on this machine's devices and returns a FitResult.
+    """Trains the MNIST ConvNet (or config.model) on this machine's devices and returns a FitResult.
 
     Pass a Config, keyword options (the Config field names), or both (options override).
     """

@@ -14,7 +14,7 @@ from gpupar import data
 from gpupar.config import Config
 from gpupar.devices import DevicePlan, configure_devices
 from gpupar.idx import Splits
-from gpupar.model import build_convnet
+from gpupar.model import build_model
 from gpupar.strategy import Plan, build_strategy, detected_plan
 from gpupar.teardown import keep_for_process
 
@@ -72,7 +72,7 @@ def assemble(config: Config) -> Assembly:
         steps_per_epoch = min(steps_per_epoch, config.steps_per_epoch)
 
     with strategy.scope():
-        model = build_convnet(config.dropout, config.sync_batch_norm, seed=config.seed)
+        model = build_model(config)
         adam = keras.optimizers.Adam(config.learning_rate)
         # Keras' loss-scale optimizer is what skips non-finite steps. Its scale starts at 1, halves
         # on a skipped step (the loop puts it back to 1 after every call) and never grows; powers

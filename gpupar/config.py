@@ -13,6 +13,10 @@ from gpupar.errors import GpuparError
 
 AUGMENT_PLACEMENTS = ("device", "host")
 STRATEGIES = ("auto", "one_device", "mirrored", "central_storage")
+# gpupar's own pipeline (gpupar/model_parallel.py), not a tf.distribute strategy.
+MODEL_PARALLEL = "model_parallel"
+STRATEGY_CHOICES = (*STRATEGIES, MODEL_PARALLEL)
+MODELS = ("convnet", "lstm")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
 DATASETS = ("mnist", "fashion_mnist")
 NAN_POLICIES = ("stop", "skip")
@@ -27,7 +31,7 @@ class Config:
       epochs: Total epochs to train; a resumed run stops at the same total.
       batch_size: Examples per replica per step; the global batch is this times the replicas.
       learning_rate: Adam learning rate.
-      strategy: auto, one_device, mirrored or central_storage.
+      strategy: auto, one_device, mirrored, central_storage or model_parallel (stages on consecutive devices).
       devices: Device names overriding detection, e.g. "/gpu:0,/gpu:1".
       cross_device_ops: All-reduce: auto, nccl, hierarchical_copy or reduction_to_one_device.
       gpus: GPU indices to make visible, e.g. "0,1" (like CUDA_VISIBLE_DEVICES); empty for all.
@@ -58,6 +62,10 @@ class Config:
       deterministic: Keep the exact example order; False lets a ready example overtake a slow one (no exact replay on resume).
       data_threads: Give tf.data a private pool of this many threads; empty uses TensorFlow's shared pool.
       profile_steps: Capture a TensorBoard profile of this run's steps FIRST,LAST (e.g. 20,40) into log_dir.
+      model: convnet, or lstm (stacked LSTM over the 28 image rows).
+      lstm_layers: LSTM layers of model=lstm; model_parallel puts each on its own device.
+      lstm_units: Units in each LSTM layer of model=lstm.
+      microbatches: model_parallel: pipeline each replica's batch as this many micro-batches.
     """
 
     epochs: int = 5
@@ -94,6 +102,10 @@ class Config:
     deterministic: bool = True
     data_threads: Optional[int] = None
     profile_steps: Optional[Tuple[int, int]] = None
+    model: str = "convnet"
+    lstm_layers: int = 3
+    lstm_units: int = 128
+    microbatches: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "gpus", _parse_gpus(self.gpus))
@@ -230,8 +242,8 @@ def _validate(c: Config):
         f"dropout={c.dropout!r}: must be a rate in [0, 1)",
     )
     _check(
-        c.strategy in STRATEGIES,
-        f"strategy={c.strategy!r} is unknown; choose one of: {', '.join(STRATEGIES)}",
+        c.strategy in STRATEGY_CHOICES,
+        f"strategy={c.strategy!r} is unknown; choose one of: {', '.join(STRATEGY_CHOICES)}",
     )
     _check(
         c.cross_device_ops in CROSS_DEVICE_OPS,
@@ -276,6 +288,22 @@ def _validate(c: Config):
     if c.checkpoint_every_steps is not None:
         _check(c.model_dir is not None, "checkpoint_every_steps needs model_dir, the folder to save into")
     _validate_resume(c)
+    _validate_model(c)
+
+
+def _validate_model(c: Config):
+    _check(c.model in MODELS, f"model={c.model!r} is unknown; choose one of: {', '.join(MODELS)}")
+    for name in ("lstm_layers", "lstm_units", "microbatches"):
+        _positive_int(c, name)
+    if c.strategy != MODEL_PARALLEL:
+        _check(c.microbatches == 1, f"microbatches={c.microbatches} pipelines the stages of strategy=model_parallel; "
+               "pass strategy=model_parallel, or microbatches=1")
+        return
+    _check(c.batch_size % c.microbatches == 0, f"batch_size={c.batch_size} does not split into microbatches="
+           f"{c.microbatches} equal micro-batches; choose a batch_size that is a multiple of microbatches")
+    _check(c.nan_policy == "stop", "nan_policy=skip is not available with strategy=model_parallel; use nan_policy=stop")
+    _check(not c.sync_batch_norm, "sync_batch_norm synchronises tf.distribute replicas; strategy=model_parallel "
+           "normalises each micro-batch on its own (as GPipe does); drop sync_batch_norm")
 
 
 def _can_create(path: str) -> bool:

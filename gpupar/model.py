@@ -1,6 +1,7 @@
-"""The classic MNIST ConvNet as a Keras model."""
+"""The Keras models: the classic MNIST ConvNet and a stacked-LSTM classifier over image rows."""
 
 import contextlib
+from typing import Optional, Sequence
 
 import keras
 import tensorflow as tf
@@ -66,10 +67,12 @@ class ReplicaDropout(keras.layers.Layer):
         return {**super().get_config(), "rate": self.rate, "seed": self.seed}
 
 
-def build_convnet(dropout: float = 0.5, sync_batch_norm: bool = False, l2: float = 5e-4, seed: int = 0):
+def build_convnet(dropout: float = 0.5, sync_batch_norm: bool = False, l2: float = 5e-4, seed: int = 0,
+                  stage_devices: Optional[Sequence[str]] = None):
     """The ConvNet: conv 6@5x5, conv 12@5x5, dense 100, each with batch norm, then 10 logits.
 
-    Call it inside `strategy.scope()` so its variables are placed by the strategy.
+    Call it inside `strategy.scope()` so its variables are placed by the strategy (or pass
+    stage_devices, two devices for the convolution and the dense stage, for model_parallel).
     """
     counter = iter(range(seed * 100, seed * 100 + 100))
 
@@ -90,23 +93,78 @@ def build_convnet(dropout: float = 0.5, sync_batch_norm: bool = False, l2: float
             keras.layers.MaxPooling2D(2),
         ]
 
+    layers = [
+        *conv(6),
+        *conv(12),
+        keras.layers.Flatten(),
+        keras.layers.Dense(
+            100, use_bias=False, kernel_initializer=init(), kernel_regularizer=keras.regularizers.L2(l2),
+        ),
+        batch_norm(),
+        keras.layers.ReLU(),
+        ReplicaDropout(dropout, seed=seed),
+        keras.layers.Dense(NUM_CLASSES, kernel_initializer=init(), kernel_regularizer=keras.regularizers.L2(l2)),
+    ]
+    return staged_sequential("convnet", layers, stage_devices)
+
+
+def build_lstm(num_layers: int = 3, units: int = 128, seed: int = 0, stage_devices: Optional[Sequence[str]] = None):
+    """A stacked-LSTM classifier: the 28 rows of an image are 28 time steps of 28 pixels.
+
+    num_layers LSTM layers of `units`, then 10 logits from the last LSTM's final output; no batch
+    norm and no dropout, so splitting a batch into micro-batches does not change the update.
+    """
+    layers = [keras.layers.Reshape((28, 28))]
+    for i in range(num_layers):
+        layers.append(keras.layers.LSTM(
+            units, return_sequences=i < num_layers - 1,
+            kernel_initializer=keras.initializers.GlorotUniform(seed=seed * 100 + 2 * i),
+            recurrent_initializer=keras.initializers.Orthogonal(seed=seed * 100 + 2 * i + 1),
+        ))
+    layers.append(keras.layers.Dense(NUM_CLASSES, kernel_initializer=keras.initializers.GlorotUniform(seed=seed * 100 + 99)))
+    return staged_sequential("lstm", layers, stage_devices)
+
+
+def build_model(config, stage_devices: Optional[Sequence[str]] = None):
+    """The model config.model names, built with config's options (stage_devices: see staged_sequential)."""
+    if config.model == "lstm":
+        return build_lstm(config.lstm_layers, config.lstm_units, seed=config.seed, stage_devices=stage_devices)
+    return build_convnet(config.dropout, config.sync_batch_norm, seed=config.seed, stage_devices=stage_devices)
+
+
+def layer_stages(layers) -> list:
+    """The pipeline stage of each layer: where a model splits for strategy=model_parallel.
+
+    A new stage starts at each LSTM layer and at Flatten, once the current stage holds a layer
+    with weights: the ConvNet splits into its convolutions and its dense head, the LSTM into one
+    stage per LSTM layer (the reshape joins the first, the dense head the last).
+    """
+    stages, stage, weighted = [], 0, False
+    for layer in layers:
+        if isinstance(layer, (keras.layers.LSTM, keras.layers.Flatten)) and weighted:
+            stage, weighted = stage + 1, False
+        weighted = weighted or isinstance(layer, (keras.layers.Conv2D, keras.layers.Dense, keras.layers.LSTM))
+        stages.append(stage)
+    return stages
+
+
+def num_stages(config) -> int:
+    """How many pipeline stages config.model has."""
+    return config.lstm_layers if config.model == "lstm" else 2
+
+
+def staged_sequential(name, layers, stage_devices=None):
+    """keras.Sequential([Input((28, 28, 1)), *layers]); with stage_devices, stage k's variables on device k.
+
+    Layers are added one at a time so each builds (creates its variables) under its stage's
+    tf.device. The object structure, and so the checkpoint, is the same with or without devices:
+    a split model's checkpoint restores into an unsplit one and back.
+    """
+    stages = layer_stages(layers)
     with replica_consistent_state():
-        return keras.Sequential(
-            [
-                keras.Input((28, 28, 1)),
-                *conv(6),
-                *conv(12),
-                keras.layers.Flatten(),
-                keras.layers.Dense(
-                    100, use_bias=False, kernel_initializer=init(),
-                    kernel_regularizer=keras.regularizers.L2(l2),
-                ),
-                batch_norm(),
-                keras.layers.ReLU(),
-                ReplicaDropout(dropout, seed=seed),
-                keras.layers.Dense(
-                    NUM_CLASSES, kernel_initializer=init(), kernel_regularizer=keras.regularizers.L2(l2)
-                ),
-            ],
-            name="convnet",
-        )
+        model = keras.Sequential(name=name)
+        model.add(keras.Input((28, 28, 1)))
+        for layer, stage in zip(layers, stages):
+            with tf.device(stage_devices[stage]) if stage_devices else contextlib.nullcontext():
+                model.add(layer)
+    return model

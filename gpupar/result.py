@@ -45,12 +45,12 @@ class FitResult:
 
     Attributes:
       model: The trained Keras model.
-      strategy: The tf.distribute.Strategy it was trained with.
+      strategy: The tf.distribute.Strategy it was trained with (the StagePlan for model_parallel).
       history: One EpochRecord per epoch trained in this run.
       test_accuracy: Test accuracy of the final model.
       total_seconds: Wall time of the whole run, set-up included.
       strategy_description: The one-line description of the strategy that was chosen.
-      replicas: Number of replicas.
+      replicas: Number of replicas (data-parallel copies of the whole pipeline for model_parallel).
       global_batch: Examples per step over all replicas.
       start_epoch: Epochs already done when this run started (more than 0 when resumed).
       checkpoint: Path of the last checkpoint written or restored, if any.

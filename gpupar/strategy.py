@@ -9,7 +9,7 @@ import logging
 import sys
 from typing import Optional, Sequence, Tuple
 
-from gpupar.config import CROSS_DEVICE_OPS, STRATEGIES
+from gpupar.config import CROSS_DEVICE_OPS, MODEL_PARALLEL, STRATEGIES
 from gpupar.errors import GpuparError
 
 log = logging.getLogger("gpupar")
@@ -78,6 +78,11 @@ def plan_strategy(
     platform: str = sys.platform,
 ) -> Plan:
     """Chooses the strategy for the given logical GPUs and CPUs (or an explicit device list)."""
+    if kind == MODEL_PARALLEL:
+        raise GpuparError(
+            "strategy=model_parallel is gpupar's own pipeline, not a tf.distribute strategy: train with "
+            "gpupar.fit_mnist(strategy='model_parallel') or the gpupar command; gpupar.plan_stages plans it"
+        )
     if kind not in STRATEGIES:
         raise GpuparError(f"strategy={kind!r} is unknown; choose one of: {', '.join(STRATEGIES)}")
     if cross_device_ops not in CROSS_DEVICE_OPS:

@@ -13,7 +13,8 @@ import tensorflow as tf
 from gpupar import assembly, augment, bottleneck, data, utilisation
 from gpupar.bottleneck import InputWait
 from gpupar.checkpoint import Checkpoints, ModelDirLock, Position
-from gpupar.config import Config
+from gpupar.config import MODEL_PARALLEL, Config
+from gpupar.devices import configure_devices
 from gpupar.errors import GpuparError
 from gpupar.interrupt import StopRequests, TrainingInterrupted
 from gpupar.profiling import ProfileWindow
@@ -50,7 +51,7 @@ def steps_in_one_call(batch_step, timed=False):
     """A tf.function(iterator, num_steps) that runs batch_step on num_steps batches in one call.
 
     batch_step(batch) returns two scalars; they come back summed over the steps. With `timed`
-    the function takes a third argument, skip_first_wait, and also returns the seconds spent
+    the function takes a third argument, skip_first_wait (default False), and also returns the seconds spent
     waiting for input batches and the rest of the call's time (the steps: forward, backward,
     update), read from in-graph timestamps so that measuring adds no host round trip. A step's
     wait is the mean over replicas of the time until the replica has its share of the batch (how
@@ -69,7 +70,7 @@ def steps_in_one_call(batch_step, timed=False):
         return first, second
 
     @tf.function
-    def timed_run(iterator, num_steps, skip_first_wait):
+    def timed_run(iterator, num_steps, skip_first_wait=False):
         first, second = tf.constant(0.0), tf.constant(0.0)
         began = tf.timestamp()
         waited = tf.constant(0.0, tf.float64)
@@ -128,7 +129,8 @@ def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonf
             per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
             # Each replica divides by the GLOBAL batch, so summing over replicas gives the mean.
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
-            loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+            if model.losses:  # the LSTM has no weight penalty
+                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
             differentiated = optimizer.scale_loss(loss) if skip_nonfinite else loss
         grads = tape.gradient(differentiated, model.trainable_variables)
         correct = _correct(logits, labels)
@@ -317,13 +319,18 @@ class _Loop:
 
 
 def train_and_evaluate(config: Config) -> FitResult:
-    """Trains the ConvNet as the config says, evaluating and checkpointing after every epoch."""
+    """Trains config.model as the config says, evaluating and checkpointing after every epoch."""
     with ModelDirLock(config.model_dir), StopRequests() as stop:
         return _train_and_evaluate(config, stop)
 
 
 def _train_and_evaluate(config: Config, stop) -> FitResult:
     started = time.perf_counter()
+    if config.strategy == MODEL_PARALLEL:
+        configure_devices(config)
+        from gpupar import model_parallel  # it builds on this module's loop
+
+        return model_parallel.train_and_evaluate(config, stop, started)
     run = assembly.assemble(config)
     strategy, model, adam, global_batch, steps_per_epoch = (
         run.strategy, run.model, run.adam, run.global_batch, run.steps_per_epoch)

@@ -1,0 +1,255 @@
+"""Training images/s of strategy=model_parallel: 1 vs 4 micro-batches, on 1, 2 and 3 virtual devices.
+
+    python -m gpupar.bench_pipeline                                   # about 5 minutes on 2 cores
+    python -m gpupar.bench_pipeline --json=runs/bench_pipeline.json
+    python -m gpupar.bench_pipeline --steps=2 --repeats=1 --batch_size=32 --lstm_units=16   # quick check
+
+Models: the stacked LSTM with one layer per device (2 and 3 layers) and the ConvNet (2 stages).
+Each model runs split over as many virtual CPUs as it has stages, and, as the baseline, with
+every stage on /cpu:0 (the same pipeline code, no device crossings), each with M=1 and M=4
+micro-batches. Every round times `steps` steps of each configuration in one call, after an
+untimed warm-up, so machine noise hits them alike. "ideal" is GPipe's speed-up over M=1 on
+devices that run in parallel, S*M / (M + S - 1); virtual CPUs share the machine's cores. The
+ratios ("vs M=1", "vs 1 device") are medians of ratios taken within each round.
+"""
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402  (the environment variable must come first)
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
+
+from gpupar import data  # noqa: E402
+from gpupar.config import Config  # noqa: E402
+from gpupar.devices import configure_devices  # noqa: E402
+from gpupar.errors import GpuparError  # noqa: E402
+from gpupar.model import build_convnet, build_lstm, staged_sequential  # noqa: E402
+from gpupar.model_parallel import Pipeline, make_train_function  # noqa: E402
+from gpupar.stages import StagePlan, plan_stages  # noqa: E402
+from gpupar.teardown import exit_without_teardown, keep_for_process  # noqa: E402
+
+FLAGS = flags.FLAGS
+DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
+MICROBATCHES = (1, 4)
+MAX_DEVICES = 3
+SEED = 0
+MODELS = ("lstm-2", "lstm-3", "convnet")
+
+
+def define_flags():
+    """Defines the flags (only when run as a script)."""
+    flags.DEFINE_string("data_dir", None, f"Folder with the Fashion-MNIST IDX files; default {DEFAULT_DATA_DIR}.")
+    flags.DEFINE_string("json", "runs/bench_pipeline.json", "Write the results to this JSON file.")
+    flags.DEFINE_integer("steps", 8, "Timed train steps per configuration and round.", lower_bound=1)
+    flags.DEFINE_integer("repeats", 3, "Timed rounds over all configurations.", lower_bound=1)
+    flags.DEFINE_integer("batch_size", 1024, "Examples per step (a multiple of 4).", lower_bound=4)
+    flags.DEFINE_integer("lstm_units", 128, "Units in each LSTM layer.", lower_bound=1)
+    flags.DEFINE_list("models", list(MODELS), f"Models to benchmark, some of: {', '.join(MODELS)}.")
+
+
+def models(lstm_units):
+    """(name, stages, builder(stage_devices)) of each benchmarked model."""
+    return [
+        ("lstm-2", 2, lambda devices: build_lstm(2, lstm_units, seed=SEED, stage_devices=devices)),
+        ("lstm-3", 3, lambda devices: build_lstm(3, lstm_units, seed=SEED, stage_devices=devices)),
+        ("convnet", 2, lambda devices: build_convnet(0.0, seed=SEED, stage_devices=devices)),
+    ]
+
+
+def ideal_speedup(stages: int, microbatches: int) -> float:
+    """GPipe's speed-up of M micro-batches over 1 when every stage has its own processor."""
+    return stages * microbatches / (microbatches + stages - 1)
+
+
+def configurations(splits, batch_size, lstm_units, names=MODELS):
+    """Every configuration of the named models, ready to time: row fields and a `run(steps)` closure."""
+    devices = [f"/cpu:{i}" for i in range(MAX_DEVICES)]
+    dataset = data.train_dataset(splits.train_images, splits.train_labels, batch_size, SEED)
+    rows = []
+    for name, stages, build in [m for m in models(lstm_units) if m[0] in names]:
+        for placement, plan in (("1 device", StagePlan(((devices[0],) * stages,))),
+                                (f"{stages} devices", plan_stages(devices[:stages], stages))):
+            keras.utils.set_random_seed(SEED)
+            model = build(plan.variable_devices)
+            optimizer = keras.optimizers.Adam(1e-3)
+            optimizer.build(model.trainable_variables)
+            for microbatches in MICROBATCHES:
+                train = make_train_function(Pipeline(model, plan, microbatches), optimizer, batch_size)
+                iterator = keep_for_process(iter(dataset))
+
+                def run(steps, train=train, iterator=iterator):
+                    float(train(iterator, tf.constant(steps))[0])  # waits for the step to finish
+
+                run(1)  # tracing
+                rows.append({"model": name, "stages": stages, "placement": placement,
+                             "devices": list(dict.fromkeys(plan.replicas[0])), "microbatches": microbatches,
+                             "run": run, "images_per_second": []})
+    return rows
+
+
+def _paired(row, baseline):
+    """Median over rounds of row's images/s divided by baseline's in the same round."""
+    return statistics.median(a / b for a, b in zip(row["images_per_second"], baseline["images_per_second"]))
+
+
+class Busy(keras.layers.Layer):
+    """The identity, after holding its thread for `seconds` x its share of the batch, without using a core.
+
+    It stands in for a stage's compute in the schedule probe: the time a step takes then shows
+    how much of the stages' work TensorFlow ran at the same time, whatever else the cores do.
+    """
+
+    def __init__(self, seconds, batch, **kwargs):
+        super().__init__(**kwargs)
+        self.seconds, self.batch = seconds, batch
+
+    def call(self, x):
+        def hold(values):
+            time.sleep(self.seconds * len(values) / self.batch)
+            return np.float32(0)
+
+        # x itself is the input, so the wait runs in the step, after x is ready; stateless, so
+        # the waits of different micro-batches are not put in program order.
+        return x + tf.ensure_shape(tf.numpy_function(hold, [x], tf.float32, stateful=False), [])
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+def schedule_probe(splits, batch_size, seconds=0.2, repeats=3):
+    """Step time of a 3-stage pipeline whose stages only wait `seconds` per batch in the forward pass.
+
+    Run one after another, the three waits take 3 x seconds whatever M is; with M micro-batches
+    overlapped as GPipe does (each stage on one micro-batch at a time), (M + 2) / M x seconds; no
+    schedule beats the critical path, one micro-batch through the three stages: 3 / M x seconds.
+    """
+    devices = [f"/cpu:{i}" for i in range(MAX_DEVICES)]
+    dataset = data.train_dataset(splits.train_images, splits.train_labels, batch_size, SEED)
+    rows = []
+    for placement, plan in (("1 device", StagePlan(((devices[0],) * 3,))), ("3 devices", plan_stages(devices, 3))):
+        layers = [keras.layers.Reshape((28, 28))]
+        for k in range(3):
+            layers += [keras.layers.LSTM(2, return_sequences=k < 2), Busy(seconds, batch_size)]
+        model = staged_sequential("probe", [*layers, keras.layers.Dense(10)], plan.variable_devices)
+        optimizer = keras.optimizers.Adam(1e-3)
+        optimizer.build(model.trainable_variables)
+        for microbatches in MICROBATCHES:
+            train = make_train_function(Pipeline(model, plan, microbatches), optimizer, batch_size)
+            iterator = keep_for_process(iter(dataset))
+            float(train(iterator, tf.constant(1))[0])  # tracing
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                float(train(iterator, tf.constant(1))[0])
+                times.append(time.perf_counter() - started)
+            rows.append({"placement": placement, "microbatches": microbatches, "stage_seconds": seconds,
+                         "step_seconds": statistics.median(times), "one_after_another": 3 * seconds,
+                         "gpipe_overlap": (microbatches + 2) / microbatches * seconds,
+                         "critical_path": 3 * seconds / microbatches})
+    return rows
+
+
+def benchmark(data_dir, batch_size, steps, repeats, lstm_units, names=MODELS, probe_seconds=0.2):
+    """Times every configuration in interleaved rounds; returns the JSON-ready report."""
+    splits = data.load_splits("fashion_mnist", data_dir)
+    rows = configurations(splits, batch_size, lstm_units, names)
+    for _ in range(repeats):
+        for row in rows:
+            row["run"](1)  # untimed: the iterator and caches are warm
+            started = time.perf_counter()
+            row["run"](steps)
+            row["images_per_second"].append(steps * batch_size / (time.perf_counter() - started))
+    probe = schedule_probe(splits, batch_size, probe_seconds, repeats)
+    by_key = {(r["model"], r["placement"], r["microbatches"]): r for r in rows}
+    for row in rows:
+        del row["run"]
+        row.update(median=statistics.median(row["images_per_second"]), min=min(row["images_per_second"]),
+                   max=max(row["images_per_second"]))
+        # Ratios within each round, where the machine's load was the same, then their median.
+        row["speedup_over_m1"] = _paired(row, by_key[row["model"], row["placement"], 1])
+        row["ideal_speedup_over_m1"] = ideal_speedup(len(row["devices"]), row["microbatches"])
+        row["vs_one_device"] = _paired(row, by_key[row["model"], "1 device", row["microbatches"]])
+    return {
+        "machine": {"nproc": len(os.sched_getaffinity(0)), "platform": platform.platform(),
+                    "python": platform.python_version(), "tensorflow": tf.__version__, "keras": keras.__version__},
+        "data_dir": data_dir, "batch_size": batch_size, "steps": steps, "repeats": repeats,
+        "lstm_units": lstm_units, "configurations": rows, "schedule_probe": probe,
+    }
+
+
+def table(report):
+    """The results as text, one row per configuration."""
+    lines = [f"{'model':<9}{'placement':<11}{'M':>3}{'img/s median':>14}{'min':>9}{'max':>9}"
+             f"{'vs M=1':>8}{'ideal':>7}{'vs 1 device':>13}"]
+    for r in report["configurations"]:
+        lines.append(f"{r['model']:<9}{r['placement']:<11}{r['microbatches']:>3}{r['median']:>14,.0f}"
+                     f"{r['min']:>9,.0f}{r['max']:>9,.0f}{r['speedup_over_m1']:>7.2f}x{r['ideal_speedup_over_m1']:>6.2f}x"
+                     f"{r['vs_one_device']:>12.2f}x")
+    lines.append("schedule probe: 3 stages that each wait (not compute) for the seconds below per batch")
+    lines.append(f"{'placement':<11}{'M':>3}{'step s':>9}{'one after another':>19}{'GPipe overlap':>15}"
+                 f"{'critical path':>15}")
+    for r in report["schedule_probe"]:
+        lines.append(f"{r['placement']:<11}{r['microbatches']:>3}{r['step_seconds']:>9.3f}"
+                     f"{r['one_after_another']:>19.3f}{r['gpipe_overlap']:>15.3f}{r['critical_path']:>15.3f}")
+    return "\n".join(lines)
+
+
+def main(argv):
+    """Checks the flags, configures 3 virtual CPUs, benchmarks, prints the table and writes JSON."""
+    if len(argv) > 1:
+        print(f"gpupar.bench_pipeline: error: unexpected argument(s) {' '.join(argv[1:])}", file=sys.stderr)
+        return 2
+    if not FLAGS["verbosity"].present:  # each configuration traces its own function: no retracing warnings
+        absl_logging.set_verbosity(absl_logging.ERROR)
+    data_dir = FLAGS.data_dir or DEFAULT_DATA_DIR
+    if not os.path.isdir(data_dir):
+        print(f"gpupar.bench_pipeline: error: no folder {data_dir}; pass --data_dir=DIR, a folder with the "
+              "four IDX files (Debian: apt-get install dataset-fashion-mnist)", file=sys.stderr)
+        return 2
+    unknown = sorted(set(FLAGS.models) - set(MODELS))
+    if unknown:
+        print(f"gpupar.bench_pipeline: error: --models: {', '.join(unknown)} unknown; choose from "
+              f"{', '.join(MODELS)}", file=sys.stderr)
+        return 2
+    if FLAGS.batch_size % max(MICROBATCHES):
+        print(f"gpupar.bench_pipeline: error: --batch_size={FLAGS.batch_size} must be a multiple of "
+              f"{max(MICROBATCHES)}", file=sys.stderr)
+        return 2
+    try:
+        configure_devices(Config(virtual_cpus=MAX_DEVICES))
+        started = time.perf_counter()
+        report = benchmark(data_dir, FLAGS.batch_size, FLAGS.steps, FLAGS.repeats, FLAGS.lstm_units, FLAGS.models)
+    except GpuparError as e:
+        print(f"gpupar.bench_pipeline: error: {e}", file=sys.stderr)
+        return 1
+    report["seconds"] = time.perf_counter() - started
+    print(table(report))
+    if FLAGS.json:
+        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
+        with open(FLAGS.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {FLAGS.json} ({report['seconds']:.0f} s)")
+    return 0
+
+
+def _main_and_exit(argv):
+    exit_without_teardown(main(argv))
+
+
+def run():
+    """Defines the flags and runs the benchmark."""
+    define_flags()
+    app.run(_main_and_exit)
+
+
+if __name__ == "__main__":
+    run()

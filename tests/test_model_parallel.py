@@ -1,0 +1,278 @@
+"""strategy=model_parallel: stage plans, placement read from the placed graph, numerics, checkpoints."""
+
+import json
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.eager import context
+
+import gpupar
+from gpupar.errors import GpuparError
+from gpupar.model import build_convnet, build_lstm, layer_stages
+from gpupar.model_parallel import Pipeline, make_train_function
+from gpupar.stages import plan_stages
+
+CPUS = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
+GPUS = [f"/gpu:{i}" for i in range(8)]
+# Splitting and micro-batching only reorder float32 sums: gradients agree to ~1e-7 relative.
+# A real difference in the computation (batch-norm statistics of a part of the batch) is ~1e-2.
+RTOL = 1e-4
+
+
+# --- the plan, from fake device lists ---------------------------------------------------------
+
+def test_consecutive_stages_on_consecutive_devices():
+    plan = plan_stages(GPUS[:3], 3)
+    assert plan.replicas == (("/gpu:0", "/gpu:1", "/gpu:2"),) and plan.unused == ()
+    assert plan.describe().startswith("strategy: model parallel, 1 replica x 3 stages (replica 0: /gpu:0 -> /gpu:1")
+
+
+def test_spare_devices_become_data_parallel_replicas():
+    plan = plan_stages(GPUS[:4], 2)
+    assert plan.replicas == (("/gpu:0", "/gpu:1"), ("/gpu:2", "/gpu:3"))
+    assert plan.variable_devices == ("/gpu:0", "/gpu:1") and plan.num_replicas == 2
+
+
+def test_devices_that_do_not_make_a_whole_replica_are_left_out():
+    plan = plan_stages(GPUS[:5], 2)
+    assert plan.num_replicas == 2 and plan.unused == ("/gpu:4",) and "unused: /gpu:4" in plan.describe()
+
+
+def test_fewer_devices_than_stages_is_an_error():
+    with pytest.raises(GpuparError, match=r"3 stages on its own device, but only 2 device\(s\).*virtual_cpus=3"):
+        plan_stages(CPUS[:2], 3)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(microbatches=4), "microbatches=4 pipelines the stages of strategy=model_parallel"),
+        (dict(strategy="model_parallel", batch_size=30, microbatches=4), "batch_size=30 does not split"),
+        (dict(strategy="model_parallel", nan_policy="skip"), "nan_policy=skip is not available"),
+        (dict(strategy="model_parallel", sync_batch_norm=True), "normalises each micro-batch"),
+        (dict(model="resnet"), "model='resnet' is unknown; choose one of: convnet, lstm"),
+        (dict(lstm_layers=0), "lstm_layers=0: must be a whole number > 0"),
+    ],
+)
+def test_bad_model_parallel_options_are_refused(options, message):
+    with pytest.raises(GpuparError, match=re.escape(message)):
+        gpupar.Config(**options)
+
+
+def test_model_parallel_is_not_a_tf_distribute_strategy():
+    with pytest.raises(GpuparError, match="gpupar's own pipeline, not a tf.distribute strategy"):
+        gpupar.plan_strategy("model_parallel", [], CPUS)
+
+
+def test_where_the_models_split():
+    convnet, lstm = build_convnet(0.0), build_lstm(3, 8)
+    assert layer_stages(convnet.layers) == [0] * 8 + [1] * 6  # convolutions | flatten, dense head
+    assert layer_stages(lstm.layers) == [0, 0, 1, 2, 2]  # reshape + LSTM | LSTM | LSTM + dense
+
+
+# --- placement, read from the partitioned graphs TensorFlow ran --------------------------------
+
+def _placed_nodes(function, *args):
+    """(name, op, device) of every node of the graphs TensorFlow placed and ran for this call."""
+    context.enable_run_metadata()
+    try:
+        function(*args)
+        metadata = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    return [(n.name, n.op, n.device) for f in metadata.function_graphs for g in f.partition_graphs for n in g.node]
+
+
+def _batches(batch, seed=0):
+    rng = np.random.default_rng(seed)
+    images = rng.uniform(size=(batch, 28, 28, 1)).astype(np.float32)
+    labels = rng.integers(0, 10, size=batch).astype(np.int32)
+    return tf.data.Dataset.from_tensors((images, labels)).repeat()
+
+
+STAGE_SCOPE = re.compile(r"(forward|accumulate)_r(\d+)_s(\d+)")
+# Transfers (both ends carry the name of the op whose output they move) and constants, which
+# grappler's constant folding and control-edge grouping put beside the op they feed a signal from.
+NOT_COMPUTE = ("_Send", "_Recv", "_HostSend", "_HostRecv", "Const")
+# Loop frames and control-edge groups the graph partitioner adds to carry control edges across devices.
+PARTITIONER_PREFIXES = ("_cloop", "GroupCrossDeviceControlEdges")
+
+
+@pytest.mark.parametrize(
+    "build, devices, stages, microbatches",
+    [(lambda d: build_lstm(3, 8, stage_devices=d), CPUS[:3], 3, 2),  # 1 replica x 3 stages
+     (lambda d: build_convnet(0.0, stage_devices=d), CPUS, 2, 2)],   # 2 replicas x 2 stages
+    ids=["lstm-3-stages", "convnet-2x2"],
+)
+def test_every_op_of_stage_k_runs_on_device_k(build, devices, stages, microbatches):
+    plan = plan_stages(devices, stages)
+    model = build(plan.variable_devices)
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    pipeline = Pipeline(model, plan, microbatches)
+    for k, layers in enumerate(pipeline.stages):
+        assert {v.value.device for layer in layers for v in layer.weights} == {
+            f"/job:localhost/replica:0/task:0/device:CPU:{plan.variable_devices[k][-1]}"}
+    train = make_train_function(pipeline, optimizer, global_batch=16)
+    nodes = _placed_nodes(train, iter(_batches(16)), tf.constant(1))
+    seen, wrong = set(), []
+    for name, op, device in nodes:
+        match = STAGE_SCOPE.search(name)
+        if match is None or op in NOT_COMPUTE or name.startswith(PARTITIONER_PREFIXES):
+            continue
+        kind, replica, stage = match.group(1), int(match.group(2)), int(match.group(3))
+        kind = "backward" if "gradient_tape" in name else kind  # gradient ops are named after their op
+        seen.add((kind, replica, stage))
+        # Reading or assigning a variable runs where the variable is: replica 0's stage device.
+        expected = plan.variable_devices[stage] if op.endswith("VariableOp") else plan.replicas[replica][stage]
+        if not device.endswith("CPU:" + expected[-1]):
+            wrong.append((name, op, device))
+    assert not wrong, [w[:2] for w in wrong]
+    every = {(kind, r, k) for kind in ("forward", "backward") for r in range(plan.num_replicas) for k in range(stages)}
+    assert every <= seen  # each stage of each replica ran its forward and its backward ops
+    assert {k for kind, _, k in seen if kind == "accumulate"} == set(range(stages))  # grappler may merge sums
+    assert sum(1 for _, op, _ in nodes if op == "_Send") >= 2 * (stages - 1)  # activations and gradients cross
+
+
+# --- numerics: split == unsplit, micro-batches == one batch ------------------------------------
+
+def _max_relative_difference(a, b):
+    return max(float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-12)) for x, y in zip(a, b))
+
+
+def _one_device_gradients(model, images, labels, global_batch, pieces=1):
+    """Loss and gradients of the unsplit model on one device, one tape, the batch in `pieces` calls."""
+
+    @tf.function
+    def run():
+        with tf.GradientTape() as tape:
+            loss = 0.0
+            for x, y in zip(tf.split(images, pieces), tf.split(labels, pieces)):
+                logits = model(x, training=True)
+                per_example = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+                loss += tf.reduce_sum(per_example) / global_batch
+            if model.losses:
+                loss += tf.add_n(model.losses)
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    loss, grads = run()
+    return float(loss), [g.numpy() for g in grads]
+
+
+def _pipelined_gradients(model, plan, microbatches, images, labels):
+    pipeline = Pipeline(model, plan, microbatches)
+    loss, _, grads = tf.function(lambda: pipeline.gradients(images, labels, int(images.shape[0])))()
+    return float(loss), [g.numpy() for g in grads]
+
+
+def _pair(build, plan):
+    """The same model split over plan's devices and unsplit on /cpu:0, with the same weights."""
+    split, whole = build(plan.variable_devices), build(None)
+    whole.set_weights(split.get_weights())
+    return split, whole
+
+
+def _lstm(layers):
+    return lambda devices: build_lstm(layers, 16, seed=1, stage_devices=devices)
+
+
+def _convnet(devices):
+    return build_convnet(0.0, seed=1, stage_devices=devices)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    images, labels = next(iter(_batches(16, seed=3)))
+    return tf.constant(images), tf.constant(labels)
+
+
+@pytest.mark.parametrize(
+    "build, devices, stages",
+    [(_lstm(3), CPUS[:3], 3), (_lstm(2), CPUS, 2), (_convnet, CPUS[:2], 2)],
+    ids=["lstm-3-stages", "lstm-2-replicas-x-2-stages", "convnet-2-stages"],
+)
+def test_split_model_computes_the_loss_and_gradients_of_the_unsplit_one(batch, build, devices, stages):
+    images, labels = batch
+    plan = plan_stages(devices, stages)
+    split, whole = _pair(build, plan)
+    expected_loss, expected = _one_device_gradients(whole, images, labels, 16)
+    for microbatches in (1, 4):  # the LSTM has no batch norm: micro-batches change nothing
+        if build is _convnet and microbatches > 1:
+            continue
+        loss, grads = _pipelined_gradients(split, plan, microbatches, images, labels)
+        assert loss == pytest.approx(expected_loss, rel=1e-5)
+        assert _max_relative_difference(grads, expected) < RTOL
+    assert max(float(np.max(np.abs(g))) for g in expected) > 1e-3  # a real, non-zero gradient
+
+
+def test_convnet_micro_batches_normalise_by_their_own_statistics(batch):
+    """Batch norm sees each micro-batch alone (as in GPipe): M=4 is the unsplit model on 4 quarters."""
+    images, labels = batch
+    plan = plan_stages(CPUS[:2], 2)
+    split, whole = _pair(_convnet, plan)
+    loss, grads = _pipelined_gradients(split, plan, 4, images, labels)
+    quarters_loss, quarters = _one_device_gradients(whole, images, labels, 16, pieces=4)
+    assert loss == pytest.approx(quarters_loss, rel=1e-5)
+    assert _max_relative_difference(grads, quarters) < RTOL
+    _, whole_batch = _one_device_gradients(whole, images, labels, 16)
+    assert _max_relative_difference(grads, whole_batch) > 100 * RTOL  # and so not the whole batch's
+
+
+# --- training runs: split and unsplit continue each other's checkpoints -------------------------
+
+def _fit(data_dir, **options):
+    defaults = dict(data_dir=data_dir, model="lstm", lstm_layers=3, lstm_units=16, batch_size=32, epochs=2,
+                    steps_per_epoch=3, display_step=100, seed=0)
+    return gpupar.fit_mnist(**{**defaults, **options})
+
+
+def test_checkpoints_move_between_split_and_unsplit_models(shared_idx_dir, tmp_path):
+    """Split runs (with micro-batches) and one-device runs resume each other and end with the same weights."""
+    unsplit = _fit(shared_idx_dir, strategy="one_device", model_dir=str(tmp_path / "unsplit"))
+    split = _fit(shared_idx_dir, strategy="model_parallel", virtual_cpus=3, microbatches=4, epochs=1,
+                 model_dir=str(tmp_path / "split"))
+    assert "model parallel, 1 replica x 3 stages" in split.strategy_description
+    split_then_unsplit = _fit(shared_idx_dir, strategy="one_device", resume=str(tmp_path / "split" / "ckpt-1"))
+    unsplit_then_split = _fit(shared_idx_dir, strategy="model_parallel", virtual_cpus=3, microbatches=2,
+                              resume=str(tmp_path / "unsplit" / "ckpt-1"))
+    assert split_then_unsplit.start_epoch == unsplit_then_split.start_epoch == 1
+    final = unsplit.model.get_weights()
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(final, split.model.get_weights()))
+    assert moved > 1e-3  # the second epoch really changed the weights
+    for result in (split_then_unsplit, unsplit_then_split):
+        assert max(float(np.max(np.abs(a - b))) for a, b in zip(final, result.model.get_weights())) < 1e-5
+    assert split_then_unsplit.test_accuracy == unsplit_then_split.test_accuracy == unsplit.test_accuracy
+
+
+def test_pipeline_benchmark_reports_m1_and_m4_on_one_and_several_devices(shared_idx_dir):
+    from gpupar import bench_pipeline
+
+    report = bench_pipeline.benchmark(shared_idx_dir, batch_size=16, steps=1, repeats=1, lstm_units=8,
+                                      names=("lstm-2",), probe_seconds=0.01)
+    rows = {(r["placement"], r["microbatches"]): r for r in report["configurations"]}
+    assert set(rows) == {(p, m) for p in ("1 device", "2 devices") for m in (1, 4)}
+    assert rows["2 devices", 4]["devices"] == ["/cpu:0", "/cpu:1"] and rows["1 device", 4]["devices"] == ["/cpu:0"]
+    assert all(r["median"] > 0 and len(r["images_per_second"]) == 1 for r in rows.values())
+    assert rows["2 devices", 4]["ideal_speedup_over_m1"] == pytest.approx(1.6)  # 2 * 4 / (4 + 2 - 1)
+    assert rows["1 device", 4]["ideal_speedup_over_m1"] == 1.0 and rows["2 devices", 1]["speedup_over_m1"] == 1.0
+    probe = {(r["placement"], r["microbatches"]): r for r in report["schedule_probe"]}
+    assert set(probe) == {(p, m) for p in ("1 device", "3 devices") for m in (1, 4)}
+    assert probe["3 devices", 4]["gpipe_overlap"] == pytest.approx(0.015)  # (4 + 2) / 4 x 0.01 s
+    # Not a timing target: the critical path of the waits bounds any schedule, so this fails only
+    # when the waits did not run in the step (pruned or hoisted out of it).
+    assert probe["3 devices", 4]["critical_path"] == pytest.approx(0.0075)  # 3 / 4 x 0.01 s
+    assert all(r["step_seconds"] >= r["critical_path"] for r in probe.values())
+    assert "lstm-2   2 devices    4" in bench_pipeline.table(report)
+    json.dumps(report)  # what the script writes
+
+
+def test_the_lstm_also_trains_data_parallel(shared_idx_dir):
+    result = _fit(shared_idx_dir, strategy="mirrored", virtual_cpus=2, batch_size=16, epochs=1)
+    keras.utils.set_random_seed(0)
+    initial = build_lstm(3, 16, seed=0).get_weights()
+    assert result.replicas == 2 and "MirroredStrategy" in result.strategy_description
+    assert all(np.isfinite(w).all() for w in result.model.get_weights())
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(result.model.get_weights(), initial)) > 1e-3
