@@ -3,6 +3,7 @@
     gpupar --dataset=fashion_mnist --data_dir=/usr/share/datasets/fashion-mnist --epochs=5
     gpupar devices [--virtual_cpus=2] [--gpus=0,1] [--json]    # what TF sees, what auto picks
     gpupar plot runs/m/metrics.json -o curves.png               # curves from --metrics_json
+    gpupar launch --workers=2 [--ps=1] -- --epochs=2 ...        # a loopback cluster (gpupar/launch.py)
     gpupar --strategy=mirrored --virtual_cpus=2 --dataset=fashion_mnist \
         --data_dir=/usr/share/datasets/fashion-mnist --model_dir=runs/m --resume
     python -m gpupar --helpfull
@@ -132,4 +133,8 @@ def _main_and_exit(argv):
 
 def run():
     """Console-script entry point."""
+    if sys.argv[1:2] == ["launch"]:  # its own arguments; the flags after -- go to each task
+        from gpupar import launch
+
+        sys.exit(launch.main(sys.argv[2:]))
     app.run(_main_and_exit)

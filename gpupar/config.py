@@ -11,8 +11,8 @@ from typing import Optional, Tuple, Union
 
 from gpupar.errors import GpuparError
 
-STRATEGIES = ("auto", "one_device", "mirrored", "central_storage")
-CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
+STRATEGIES = ("auto", "one_device", "mirrored", "central_storage", "multi_worker_mirrored", "parameter_server")
+CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device", "ring")
 DATASETS = ("mnist", "fashion_mnist")
 NAN_POLICIES = ("stop", "skip")
 _DEVICE_NAME = re.compile(r"^/(device:)?(cpu|gpu):\d+$", re.IGNORECASE)
@@ -26,9 +26,9 @@ class Config:
       epochs: Total epochs to train; a resumed run stops at the same total.
       batch_size: Examples per replica per step; the global batch is this times the replicas.
       learning_rate: Adam learning rate.
-      strategy: auto, one_device, mirrored or central_storage.
+      strategy: auto, one_device, mirrored, central_storage, multi_worker_mirrored or parameter_server.
       devices: Device names overriding detection, e.g. "/gpu:0,/gpu:1".
-      cross_device_ops: All-reduce: auto, nccl, hierarchical_copy or reduction_to_one_device.
+      cross_device_ops: All-reduce: auto, nccl, hierarchical_copy, reduction_to_one_device or ring (between workers).
       gpus: GPU indices to make visible, e.g. "0,1" (like CUDA_VISIBLE_DEVICES); empty for all.
       memory_growth: Allocate GPU memory as needed instead of all at once (TF1 allow_growth).
       memory_limit_mb: Cap each visible GPU at this many MiB.
@@ -51,6 +51,7 @@ class Config:
       seed: Seed for weights, shuffling and dropout.
       steps_per_epoch: Cap on the steps of each epoch, for quick runs; empty for a full pass.
       metrics_json: Write the per-epoch history and final metrics to this JSON file.
+      slurm_ps: Under SLURM, how many tasks are parameter servers (after task 0, the chief); 0 for synchronous.
     """
 
     epochs: int = 5
@@ -81,6 +82,7 @@ class Config:
     seed: int = 0
     steps_per_epoch: Optional[int] = None
     metrics_json: Optional[str] = None
+    slurm_ps: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "gpus", _parse_gpus(self.gpus))
@@ -190,6 +192,7 @@ def _validate(c: Config):
     for name in ("memory_limit_mb", "virtual_cpus", "max_to_keep", "checkpoint_every_steps", "steps_per_epoch"):
         _positive_int(c, name, optional=True)
     _check(_is_int(c.seed), f"seed={c.seed!r}: must be a whole number")
+    _check(_is_int(c.slurm_ps) and c.slurm_ps >= 0, f"slurm_ps={c.slurm_ps!r}: must be a whole number >= 0")
     _check(
         _is_number(c.learning_rate) and c.learning_rate > 0,
         f"learning_rate={c.learning_rate!r}: must be a number > 0",

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from gpupar import data
 from gpupar.checkpoint import Checkpoints, ModelDirLock, Position
+from gpupar.cluster import detect_cluster
 from gpupar.config import Config
 from gpupar.devices import configure_devices
 from gpupar.errors import GpuparError
@@ -228,17 +229,37 @@ class _Loop:
 
 
 def train_and_evaluate(config: Config) -> FitResult:
-    """Trains the ConvNet as the config says, evaluating and checkpointing after every epoch."""
-    with ModelDirLock(config.model_dir), StopRequests() as stop:
-        return _train_and_evaluate(config, stop)
+    """Trains the ConvNet as the config says, evaluating and checkpointing after every epoch.
+
+    In a cluster with parameter servers this process plays its task (gpupar/ps_train.py); in a
+    synchronous cluster every worker runs this loop and only the chief keeps what it writes.
+    """
+    cluster = detect_cluster(slurm_ps=config.slurm_ps)
+    if cluster is not None and cluster.num_ps:
+        from gpupar import ps_train
+
+        return ps_train.run_task(config, cluster)
+    if cluster is None:
+        with ModelDirLock(config.model_dir), StopRequests() as stop:
+            return _train_and_evaluate(config, stop)
+    from gpupar import multi_worker
+
+    with ModelDirLock(config.model_dir if cluster.is_chief else None), StopRequests() as stop, \
+            multi_worker.ScratchDir(cluster, config.model_dir) as scratch:
+        return _train_and_evaluate(multi_worker.worker_config(config, cluster), stop, cluster, scratch.path)
 
 
-def _train_and_evaluate(config: Config, stop) -> FitResult:
+def _train_and_evaluate(config: Config, stop, cluster=None, scratch_dir=None) -> FitResult:
     started = time.perf_counter()
     configure_devices(config)
-    plan = detected_plan(config.strategy, config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1)
+    plan = detected_plan(config.strategy, config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1,
+                         cluster=cluster)
     log.info(plan.describe())
-    strategy = build_strategy(plan)
+    strategy = build_strategy(plan)  # first TensorFlow work: a multi-worker strategy must come before any op
+    if cluster is not None:
+        from gpupar.multi_worker import AgreedStop
+
+        stop = AgreedStop(stop, strategy)
     keras.utils.set_random_seed(config.seed)
 
     splits = data.load_splits(config.dataset, config.data_dir)
@@ -261,6 +282,8 @@ def _train_and_evaluate(config: Config, stop) -> FitResult:
         optimizer.build(model.trainable_variables)
     checkpoints = Checkpoints(config.model_dir, model, adam, config.max_to_keep, global_batch)
     saved_at = checkpoints.restore(config.resume)
+    if scratch_dir is not None:
+        checkpoints.write_to(scratch_dir)  # a non-chief worker: it restores the chief's, keeps nothing
     start = saved_at.rebatched(global_batch, steps_per_epoch)
     if start.step != saved_at.step:
         log.info("the checkpoint is %d steps of %d into epoch %d; with %d steps of %d per epoch now, this run "
@@ -287,6 +310,13 @@ def _train_and_evaluate(config: Config, stop) -> FitResult:
                  make_finite_check(model), optimizer.dynamic_scale if skip else None)
     try:
         history = loop.run(start, train_iterator, stop)
+    except (tf.errors.UnavailableError, tf.errors.CancelledError, tf.errors.DeadlineExceededError,
+            tf.errors.AbortedError, tf.errors.InternalError) as e:
+        if cluster is None:
+            raise
+        from gpupar.multi_worker import lost_peer
+
+        raise lost_peer(e, cluster, checkpoints.latest) from None
     finally:
         summaries.close()
     test_accuracy = history[-1].test_accuracy if history else evaluate()
