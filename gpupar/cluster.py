@@ -123,7 +123,7 @@ def detect_cluster(environ=None, slurm_ps: int = 0) -> Optional[Cluster]:
 
     Under SLURM, tasks are numbered by SLURM_PROCID: with slurm_ps > 0 the first is the chief
     (coordinator), the next slurm_ps are parameter servers and the rest workers; otherwise
-    every task is a worker.
+    every task is a worker. Ports start at 8888 (TensorFlow's SlurmClusterResolver default).
     """
     environ = os.environ if environ is None else environ
     if environ.get("TF_CONFIG", "").strip():
@@ -137,9 +137,13 @@ def detect_cluster(environ=None, slurm_ps: int = 0) -> Optional[Cluster]:
             f"servers and a worker), but this job step has {tasks}"
         )
     jobs = {"chief": 1, "ps": slurm_ps, "worker": tasks - slurm_ps - 1} if slurm_ps else {"worker": tasks}
-    from tensorflow.distribute.cluster_resolver import SlurmClusterResolver
+    import tensorflow as tf
 
-    resolver = SlurmClusterResolver(jobs=jobs)
+    # GPUs are left to SLURM (--gpus-per-task sets CUDA_VISIBLE_DEVICES per task): the resolver
+    # would otherwise call nvidia-smi, which CPU nodes lack, and set the variable itself. It also
+    # caps tasks per node at gpus_per_node / gpus_per_task, hence "one per task" here.
+    resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
+        jobs=jobs, gpus_per_node=tasks, gpus_per_task=1, auto_set_gpu=False)
     spec = resolver.cluster_spec().as_dict()
     return cluster_from_spec({k: list(v) for k, v in spec.items()}, resolver.task_type, resolver.task_id, "SLURM")
 
