@@ -87,6 +87,7 @@ class Launcher:
     def start(self, job: str, index: int, flags: List[str]):
         cluster = Cluster({j: tuple(a) for j, a in self.jobs.items()}, job, index, "TF_CONFIG")
         env = dict(os.environ, TF_CONFIG=tf_config(cluster), PYTHONUNBUFFERED="1")
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TensorFlow's C++ INFO lines (server configs) drown the logs
         process = subprocess.Popen(
             [sys.executable, "-m", "gpupar", *flags], env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,  # own process group

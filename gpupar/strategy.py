@@ -260,8 +260,7 @@ def _build_cluster_strategy(tf, plan: Plan):
     )
     if plan.kind == "parameter_server":
         strategy = tf.distribute.ParameterServerStrategy(resolver)
-        seen = strategy.cluster_resolver.cluster_spec().num_tasks("worker")
-        expected = len(c.jobs["worker"])
+        seen, expected, what = len(strategy.extended.parameter_devices), c.num_ps, "parameter servers"
     else:
         implementation = {
             "ring": tf.distribute.experimental.CommunicationImplementation.RING,
@@ -271,10 +270,10 @@ def _build_cluster_strategy(tf, plan: Plan):
             cluster_resolver=resolver,
             communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation),
         )
-        seen, expected = strategy.num_replicas_in_sync, plan.num_replicas
+        seen, expected, what = strategy.num_replicas_in_sync, plan.num_replicas, "replicas"
     if seen != expected:
         raise GpuparError(
-            f"{_CLASS_NAMES[plan.kind]} sees {seen} worker replicas, but the cluster has {expected}: "
+            f"{_CLASS_NAMES[plan.kind]} sees {seen} {what}, but the cluster has {expected}: "
             "TensorFlow was set up before the strategy. Create it first thing in each task (gpupar does, "
             "unless other TensorFlow work ran earlier in this process)"
         )
