@@ -114,10 +114,10 @@ class Launcher:
         """Sends `sig` to every task's process group; SIGKILL whatever still runs after `grace` s."""
         for task in self.tasks.values():
             self.kill(task, sig)
-        deadline = time.monotonic() + (grace if sig != signal.SIGKILL else 0)
+        deadline = time.monotonic() + grace
         for task in self.tasks.values():
             try:
-                task.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                task.process.wait(timeout=None if sig == signal.SIGKILL else max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 self.say(f"{task.name} still runs {grace:.0f} s after {signal.Signals(sig).name}; killing it")
                 self.kill(task)
@@ -132,19 +132,24 @@ class Launcher:
         self.tasks.clear()
 
     def _finished(self) -> Optional[int]:
-        """The run's exit status once it is over, else None; stops the rest when a task failed."""
-        ps_mode = "ps" in self.jobs
-        chief = self.tasks.get("chief:0")
-        if ps_mode and chief is not None and chief.process.poll() is not None:
-            return chief.process.returncode
-        running = 0
-        for task in list(self.tasks.values()):
-            code = task.process.poll()
-            if code is None:
-                running += 1
-            elif code != 0:
-                return code
-        return None if running else 0
+        """The run's exit status once it is over, else None.
+
+        Synchronous: over when every task ended, or one failed. Parameter-server mode: over when
+        the chief ended or a ps task died (workers are _failed_ps_worker's business).
+        """
+        if "ps" in self.jobs:
+            for task in self.tasks.values():
+                code = task.process.poll()
+                if task.cluster.task_type == "chief" and code is not None:
+                    return code
+                if task.cluster.task_type == "ps" and code is not None:
+                    return code or 1
+            return None
+        codes = [task.process.poll() for task in self.tasks.values()]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            return failed[0]
+        return 0 if all(c == 0 for c in codes) else None
 
     def _watch(self) -> int:
         while True:
@@ -173,7 +178,8 @@ class Launcher:
                 self.restarts -= 1
                 task.reader.join(timeout=5)
                 self.say(f"{task.name} ended with status {code}; restarting it ({self.restarts} restart(s) left)")
-                self.start(task.cluster.task_type, task.cluster.task_index, self.flags)
+                # --resume: the config check would refuse a model_dir that holds checkpoints by now.
+                self.start(task.cluster.task_type, task.cluster.task_index, with_resume(self.flags))
         return None
 
     def run(self) -> int:
@@ -195,9 +201,14 @@ class Launcher:
             self.say(f"task(s) failed ({', '.join(failed)}); restarting the cluster with --resume "
                      f"({self.restarts} restart(s) left)")
             self.jobs = loopback_cluster(len(self.jobs["worker"]), len(self.jobs.get("ps", ())))
-            if not any(f == "--resume" or f.startswith(("--resume=", "--resume_from")) for f in flags):
-                flags = [*flags, "--resume"]
-            self.flags = flags
+            flags = self.flags = with_resume(flags)
+
+
+def with_resume(flags: List[str]) -> List[str]:
+    """The flags with --resume added, unless they already say how to resume."""
+    if any(f == "--resume" or f.startswith(("--resume=", "--resume_from", "--noresume")) for f in flags):
+        return list(flags)
+    return [*flags, "--resume"]
 
 
 def parse_args(argv: List[str]):
