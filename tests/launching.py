@@ -42,6 +42,9 @@ class Launch:
         for line in self.process.stdout:
             self.lines.append(line)
 
+    def task_pids(self):
+        return task_pids(self.output)
+
     @property
     def output(self) -> str:
         return "".join(self.lines)

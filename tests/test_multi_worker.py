@@ -1,6 +1,9 @@
 """Synchronous training on two worker processes (MultiWorkerMirroredStrategy) on loopback."""
 
+import json
 import os
+import re
+import signal
 
 import keras
 import numpy as np
@@ -8,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import gpupar
+from conftest import make_idx_dir
 from launching import Launch
 
 ATOL = 1e-5  # as in test_train: reordered float32 sums only
@@ -49,3 +53,48 @@ def test_two_workers_reach_the_weights_of_two_replicas_in_one_process(shared_idx
     scratch = out.split("saved /tmp/gpupar-worker1-")[1].split("/")[0]
     assert not os.path.exists(f"/tmp/gpupar-worker1-{scratch}")
     assert (tmp_path / "metrics.json").exists()
+
+
+def _checkpoint_position(model_dir):
+    """(epochs, steps) of the newest checkpoint in model_dir, or None."""
+    best = None
+    for sub in ("", "within_epoch"):
+        path = tf.train.latest_checkpoint(os.path.join(model_dir, sub))
+        if path:
+            reader = tf.train.load_checkpoint(path)
+            position = tuple(int(reader.get_tensor(f"{n}/.ATTRIBUTES/VARIABLE_VALUE")) for n in ("epoch", "step"))
+            best = max(best or position, position)
+    return best
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_is_restarted_and_the_run_completes(tmp_path):
+    data_dir = make_idx_dir(tmp_path / "data", num_train=1024, num_test=100)
+    model_dir = tmp_path / "model"
+    launch = Launch(["--workers=2", "--restarts=1"], [
+        "--strategy=multi_worker_mirrored", f"--data_dir={data_dir}", "--epochs=5", "--batch_size=16",
+        "--dropout=0", "--display_step=1000", "--checkpoint_every_steps=4", f"--model_dir={model_dir}",
+        f"--metrics_json={tmp_path / 'metrics.json'}"])
+    try:
+        launch.wait_for(r"\[worker:0\] Epoch:\[0\] train loss", timeout=120)
+        os.kill(launch.task_pids()["worker:1"][0], signal.SIGKILL)
+        killed_at = _checkpoint_position(str(model_dir))  # the chief may still save once: read after the kill
+        status = launch.finish(timeout=180)
+    finally:
+        launch.kill_all()
+    assert status == 0, launch.output[-3000:]
+    launch.assert_no_strays()
+    out = launch.output
+    assert "worker:1: -9" in out and "restarting the cluster with --resume" in out
+    assert len(launch.task_pids()["worker:0"]) == 2 and len(launch.task_pids()["worker:1"]) == 2
+    resumed = re.search(r"\[worker:0\] resumed from \S+ after (\d+) epoch\(s\) and (\d+) step\(s\)", out)
+    assert resumed, out[-3000:]
+    # Nothing lost beyond the last checkpoint: the restart continues from the newest one there was.
+    assert (int(resumed[1]), int(resumed[2])) >= killed_at >= (1, 0)
+    # The epoch count is intact: one checkpoint per epoch, and the restarted run trained the rest
+    # (metrics_json is written when a run ends, so the killed run left none).
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["start_epoch"] == int(resumed[1])
+    assert [r["epoch"] for r in metrics["history"]] == list(range(int(resumed[1]), 5))
+    assert sorted(f for f in os.listdir(model_dir) if f.startswith("ckpt-") and f.endswith(".index")) == [
+        f"ckpt-{n}.index" for n in range(1, 6)]
