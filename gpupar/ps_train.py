@@ -205,6 +205,7 @@ def _coordinate(config: Config, cluster: Cluster, stop) -> FitResult:
     log.info(plan.describe())
     strategy = build_strategy(plan)  # first TensorFlow work, before anything else can start the runtime
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    stop.reinstall()
     keras.utils.set_random_seed(config.seed)
 
     splits = data.load_splits(config.dataset, config.data_dir)

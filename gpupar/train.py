@@ -259,6 +259,7 @@ def _train_and_evaluate(config: Config, stop, cluster=None, scratch_dir=None) ->
     if cluster is not None:
         from gpupar.multi_worker import AgreedStop
 
+        stop.reinstall()
         stop = AgreedStop(stop, strategy)
     keras.utils.set_random_seed(config.seed)
 
