@@ -10,7 +10,6 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 
 import tensorflow as tf
 
@@ -29,14 +28,21 @@ def worker_config(config: Config, cluster: Cluster) -> Config:
 
 
 class ScratchDir:
-    """A non-chief worker's folder for the checkpoints it must save but nobody keeps."""
+    """A non-chief worker's folder for the checkpoints it must save but nobody keeps.
+
+    It is model_dir/.scratch-worker-N (TF's own pattern): removed at the end, and at the start
+    too, so a worker that was killed leaves nothing behind after its restart.
+    """
 
     def __init__(self, cluster: Cluster, model_dir):
         self.path = None
         if model_dir is not None and not cluster.is_chief:
-            self.path = tempfile.mkdtemp(prefix=f"gpupar-{cluster.task_type}{cluster.task_index}-")
+            self.path = os.path.join(model_dir, f".scratch-{cluster.task_type}-{cluster.task_index}")
 
     def __enter__(self):
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.makedirs(self.path)
         return self
 
     def __exit__(self, *exc):

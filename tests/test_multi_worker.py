@@ -49,9 +49,7 @@ def test_two_workers_reach_the_weights_of_two_replicas_in_one_process(shared_idx
     assert moved > 100 * ATOL  # training really changed the weights
     # Only the chief keeps files: one checkpoint series, and the non-chief's scratch folder is gone.
     assert sorted(os.listdir(tmp_path / "two_workers")) == [".gpupar.lock", "checkpoint", "ckpt-1.data-00000-of-00001", "ckpt-1.index"]
-    assert "saved /tmp/gpupar-worker1-" in out
-    scratch = out.split("saved /tmp/gpupar-worker1-")[1].split("/")[0]
-    assert not os.path.exists(f"/tmp/gpupar-worker1-{scratch}")
+    assert f"saved {tmp_path / 'two_workers' / '.scratch-worker-1'}/ckpt-1" in out
     assert (tmp_path / "metrics.json").exists()
 
 
@@ -98,3 +96,26 @@ def test_a_worker_killed_mid_run_is_restarted_and_the_run_completes(tmp_path):
     assert [r["epoch"] for r in metrics["history"]] == list(range(int(resumed[1]), 5))
     assert sorted(f for f in os.listdir(model_dir) if f.startswith("ckpt-") and f.endswith(".index")) == [
         f"ckpt-{n}.index" for n in range(1, 6)]
+    assert not os.path.exists(model_dir / ".scratch-worker-1")  # the killed worker's, removed by its restart
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_worker_stops_all_after_the_same_step_with_a_checkpoint(tmp_path):
+    data_dir = make_idx_dir(tmp_path / "data", num_train=2048, num_test=100)
+    model_dir = tmp_path / "model"
+    launch = Launch(["--workers=2"], [
+        "--strategy=multi_worker_mirrored", f"--data_dir={data_dir}", "--epochs=20", "--batch_size=16",
+        "--display_step=1000", f"--model_dir={model_dir}"])
+    try:
+        launch.wait_for(r"\[worker:0\] Epoch:\[0\] train loss", timeout=120)
+        os.kill(launch.task_pids()["worker:1"][0], signal.SIGTERM)  # as a scheduler preempting one machine
+        status = launch.finish(timeout=120)
+    finally:
+        launch.kill_all()
+    launch.assert_no_strays()
+    assert status == 143, launch.output[-3000:]
+    saved = {task: int(step) for task, step in re.findall(
+        r"\[(worker:\d)\] gpupar: interrupted by SIGTERM \(saved \S+/within_epoch/step-(\d+);", launch.output)}
+    assert set(saved) == {"worker:0", "worker:1"} and saved["worker:0"] == saved["worker:1"]
+    assert tf.train.latest_checkpoint(str(model_dir / "within_epoch")).endswith(f"step-{saved['worker:0']}")
+    assert not os.path.exists(model_dir / ".scratch-worker-1")
