@@ -12,7 +12,7 @@ from typing import Optional, Tuple, Union
 from gpupar.errors import GpuparError
 
 STRATEGIES = ("auto", "one_device", "mirrored", "central_storage", "multi_worker_mirrored", "parameter_server")
-CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device", "ring")
+CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
 DATASETS = ("mnist", "fashion_mnist")
 NAN_POLICIES = ("stop", "skip")
 _DEVICE_NAME = re.compile(r"^/(device:)?(cpu|gpu):\d+$", re.IGNORECASE)
@@ -28,7 +28,7 @@ class Config:
       learning_rate: Adam learning rate.
       strategy: auto, one_device, mirrored, central_storage, multi_worker_mirrored or parameter_server.
       devices: Device names overriding detection, e.g. "/gpu:0,/gpu:1".
-      cross_device_ops: All-reduce: auto, nccl, hierarchical_copy, reduction_to_one_device or ring (between workers).
+      cross_device_ops: All-reduce: auto, nccl, hierarchical_copy or reduction_to_one_device.
       gpus: GPU indices to make visible, e.g. "0,1" (like CUDA_VISIBLE_DEVICES); empty for all.
       memory_growth: Allocate GPU memory as needed instead of all at once (TF1 allow_growth).
       memory_limit_mb: Cap each visible GPU at this many MiB.

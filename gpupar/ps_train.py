@@ -15,6 +15,7 @@ w, w+N, w+2N... of the seeded order), so together they see every batch once per 
 
 import logging
 import math
+import signal
 import time
 
 import keras
@@ -144,7 +145,7 @@ class _Epochs:
                 for item in pending:
                     collect(item)
                 saved = self.checkpoints.save_step(Position(epoch, step), epoch * spe + step)
-                log.info("stop requested: %s", f"saved {saved}" if saved else "nothing to save")
+                log.info("%s received: %s", signal.Signals(stop.signum).name, f"saved {saved}" if saved else "nothing to save")
                 raise TrainingInterrupted(stop.signum, saved)
             num_steps = min(c.steps_per_call, spe - step)
             pending.append((num_steps, self.coordinator.schedule(self.train, args=(self.iterator, num_steps))))

@@ -39,8 +39,8 @@ class Plan:
       kind: one_device, mirrored, central_storage, multi_worker_mirrored or parameter_server
         (never auto).
       devices: The compute devices, one replica each (on every worker, for multi_worker_mirrored).
-      cross_device_ops: The all-reduce for mirrored and multi_worker_mirrored (a CROSS_DEVICE_OPS
-        name), else None.
+      cross_device_ops: The all-reduce for mirrored (a CROSS_DEVICE_OPS name) and for
+        multi_worker_mirrored (ring or nccl), else None.
       parameter_device: Where central_storage keeps the variables, else None.
       reason: Why this plan, in a few words.
       cluster: The cluster for multi_worker_mirrored and parameter_server, else None.
@@ -197,14 +197,15 @@ def _plan_cluster(kind, gpus, cross_device_ops, platform, cluster, devices):
     if cluster.num_ps:
         raise GpuparError(f"strategy=multi_worker_mirrored has no parameter servers, but the {where}; "
                           "use strategy=parameter_server (or auto), or drop the ps job")
+    # Between workers the all-reduce is a collective: RING (gRPC) on CPUs, NCCL between GPUs.
     if cross_device_ops == "auto":
         reduce = "nccl" if gpus and platform.startswith("linux") else "ring"
-    elif cross_device_ops == "ring" or (cross_device_ops == "nccl" and gpus):
-        reduce = cross_device_ops
+    elif cross_device_ops == "nccl" and gpus:
+        reduce = "nccl"
     else:
         raise GpuparError(
-            f"cross_device_ops={cross_device_ops} does not work between workers; "
-            f"multi_worker_mirrored takes ring{', nccl' if gpus else ' (nccl needs GPUs)'} or auto"
+            f"cross_device_ops={cross_device_ops} does not work between workers; multi_worker_mirrored "
+            f"takes auto (RING collectives, NCCL between GPUs on Linux){' or nccl' if gpus else ' (nccl needs GPUs)'}"
         )
     return Plan("multi_worker_mirrored", local, reduce, None, reason, cluster)
 
@@ -216,9 +217,6 @@ def _choose_all_reduce(requested, devices, platform):
             return "reduction_to_one_device"
         # TensorFlow's Linux GPU builds ship NCCL; elsewhere hierarchical copy is the safe choice.
         return "nccl" if platform.startswith("linux") else "hierarchical_copy"
-    if requested == "ring":
-        raise GpuparError("cross_device_ops=ring is the all-reduce between workers (multi_worker_mirrored); "
-                          "on one machine use auto, nccl, hierarchical_copy or reduction_to_one_device")
     if requested in ("nccl", "hierarchical_copy") and not all_gpu:
         raise GpuparError(
             f"cross_device_ops={requested} all-reduces between GPUs, but the devices are "
