@@ -155,6 +155,13 @@ class Launcher:
         while True:
             if self.stopping is not None:
                 self.say(f"{signal.Signals(self.stopping).name}: stopping every task (SIGTERM; they save first)")
+                chief = self.tasks.get("chief:0")
+                if chief is not None:  # parameter servers: the coordinator saves while its servers still run
+                    self.kill(chief, signal.SIGTERM)
+                    try:
+                        chief.process.wait(timeout=GRACE_SECONDS)
+                    except subprocess.TimeoutExpired:
+                        pass
                 self.stop_all(signal.SIGTERM)
                 return 128 + self.stopping
             status = self._finished()
