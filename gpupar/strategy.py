@@ -264,10 +264,17 @@ def _build_cluster_strategy(tf, plan: Plan):
             "ring": tf.distribute.experimental.CommunicationImplementation.RING,
             "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
         }[plan.cross_device_ops]
-        strategy = tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=resolver,
-            communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation),
-        )
+        try:
+            strategy = tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=resolver,
+                communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation),
+            )
+        except RuntimeError as e:  # "Collective ops must be configured at program startup"
+            raise GpuparError(
+                f"MultiWorkerMirroredStrategy could not join the cluster: TensorFlow was already running "
+                f"in this process ({e}). Create it first thing in each task: call gpupar.fit_mnist or "
+                "gpupar.make_strategy before any other TensorFlow work, in a fresh process"
+            ) from None
         seen, expected, what = strategy.num_replicas_in_sync, plan.num_replicas, "replicas"
     if seen != expected:
         raise GpuparError(

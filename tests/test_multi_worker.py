@@ -4,6 +4,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -119,3 +121,25 @@ def test_sigterm_to_one_worker_stops_all_after_the_same_step_with_a_checkpoint(t
     assert set(saved) == {"worker:0", "worker:1"} and saved["worker:0"] == saved["worker:1"]
     assert tf.train.latest_checkpoint(str(model_dir / "within_epoch")).endswith(f"step-{saved['worker:0']}")
     assert not os.path.exists(model_dir / ".scratch-worker-1")
+
+
+LATE_STRATEGY = """
+import os, sys
+import tensorflow as tf
+tf.constant(1.0) + 1  # TensorFlow runs before the strategy exists
+import gpupar
+try:
+    gpupar.fit_mnist(strategy="multi_worker_mirrored", data_dir=sys.argv[1], epochs=1)
+except gpupar.GpuparError as e:
+    print("GpuparError:", e)
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_a_strategy_created_after_tensorflow_started_is_a_clear_error(shared_idx_dir):
+    tf_config = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}})
+    result = subprocess.run([sys.executable, "-c", LATE_STRATEGY, shared_idx_dir], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert "GpuparError: MultiWorkerMirroredStrategy could not join the cluster: TensorFlow was already running" in \
+        result.stdout, result.stdout + result.stderr[-2000:]
