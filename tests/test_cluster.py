@@ -140,3 +140,14 @@ def test_launcher_splits_its_arguments_from_the_tasks_flags():
     assert (args.workers, args.ps, args.restarts) == (3, 1, 0) and flags == ["--epochs=2", "--workers_note"]
     with pytest.raises(SystemExit):
         parse_args(["--workers=0"])
+
+
+@pytest.mark.parametrize("rank, task", [(0, "chief:0"), (1, "ps:0"), (2, "worker:0"), (3, "worker:1")])
+def test_slurm_parameter_servers_follow_the_chief(monkeypatch, rank, task):
+    env = {"SLURM_PROCID": str(rank), "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NODELIST": "n[1-2]",
+           "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cluster = detect_cluster(env, slurm_ps=1)
+    assert cluster.task_name == task and cluster.jobs == {
+        "chief": ("n1:8888",), "ps": ("n1:8889",), "worker": ("n2:8888", "n2:8889")}
