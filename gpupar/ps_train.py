@@ -147,11 +147,11 @@ class _Epochs:
                 saved = self.checkpoints.save_step(Position(epoch, step), epoch * spe + step)
                 log.info("%s received: %s", signal.Signals(stop.signum).name, f"saved {saved}" if saved else "nothing to save")
                 raise TrainingInterrupted(stop.signum, saved)
+            while len(pending) >= self.max_in_flight:  # bounded: wait for the oldest before scheduling more
+                collect(pending.pop(0))
             num_steps = min(c.steps_per_call, spe - step)
             pending.append((num_steps, self.coordinator.schedule(self.train, args=(self.iterator, num_steps))))
             step += num_steps
-            while len(pending) > self.max_in_flight:
-                collect(pending.pop(0))
             done = first_step + totals["steps"]
             if done - shown >= c.display_step and totals["steps"]:
                 log.info("Epoch:[%d] [%d / %d] loss: %.4f, acc: %.4f, updates by worker: %s", epoch, done, spe,
