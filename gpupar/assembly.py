@@ -55,10 +55,14 @@ class Assembly:
         return self.optimizer is not self.adam
 
 
-def assemble(config: Config) -> Assembly:
-    """Configures the devices, then builds the strategy, loads the data and builds the model."""
+def assemble(config: Config, cluster=None) -> Assembly:
+    """Configures the devices, then builds the strategy, loads the data and builds the model.
+
+    `cluster` (gpupar.cluster) makes it a multi-worker strategy, which must come before any op.
+    """
     devices = configure_devices(config)
-    plan = detected_plan(config.strategy, config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1)
+    plan = detected_plan(config.strategy, config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1,
+                         cluster=cluster)
     log.info(plan.describe())
     strategy = build_strategy(plan)
     keras.utils.set_random_seed(config.seed)

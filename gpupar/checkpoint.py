@@ -63,6 +63,14 @@ class Checkpoints:
             )
         self.latest = None
 
+    def write_to(self, directory: str):
+        """Saves into `directory` from now on (a non-chief worker's scratch folder, after restoring)."""
+        if self.epochs is not None:
+            self.epochs = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=1)
+            self.steps = tf.train.CheckpointManager(
+                self.checkpoint, os.path.join(directory, WITHIN_EPOCH), max_to_keep=1, checkpoint_name="step"
+            )
+
     @staticmethod
     def _unreadable(path, error):
         return GpuparError(

@@ -4,6 +4,7 @@
     gpupar devices [--virtual_cpus=2] [--gpus=0,1] [--json]    # what TF sees, what auto picks
     gpupar plot runs/m/metrics.json -o curves.png               # curves from --metrics_json
     gpupar diagnose --augment --augment_on=host [--json]        # input-bound or step-bound?
+    gpupar launch --workers=2 [--ps=1] -- --epochs=2 ...        # a loopback cluster (gpupar/launch.py)
     gpupar --strategy=mirrored --virtual_cpus=2 --dataset=fashion_mnist \
         --data_dir=/usr/share/datasets/fashion-mnist --model_dir=runs/m --resume
     python -m gpupar --helpfull
@@ -149,4 +150,8 @@ def _main_and_exit(argv):
 
 def run():
     """Console-script entry point."""
+    if sys.argv[1:2] == ["launch"]:  # its own arguments; the flags after -- go to each task
+        from gpupar import launch
+
+        sys.exit(launch.main(sys.argv[2:]))
     app.run(_main_and_exit)

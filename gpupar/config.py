@@ -12,7 +12,7 @@ from typing import Optional, Tuple, Union
 from gpupar.errors import GpuparError
 
 AUGMENT_PLACEMENTS = ("device", "host")
-STRATEGIES = ("auto", "one_device", "mirrored", "central_storage")
+STRATEGIES = ("auto", "one_device", "mirrored", "central_storage", "multi_worker_mirrored", "parameter_server")
 # gpupar's own pipeline (gpupar/model_parallel.py), not a tf.distribute strategy.
 MODEL_PARALLEL = "model_parallel"
 STRATEGY_CHOICES = (*STRATEGIES, MODEL_PARALLEL)
@@ -31,7 +31,7 @@ class Config:
       epochs: Total epochs to train; a resumed run stops at the same total.
       batch_size: Examples per replica per step; the global batch is this times the replicas.
       learning_rate: Adam learning rate.
-      strategy: auto, one_device, mirrored, central_storage or model_parallel (stages on consecutive devices).
+      strategy: auto, one_device, mirrored, central_storage, multi_worker_mirrored, parameter_server or model_parallel.
       devices: Device names overriding detection, e.g. "/gpu:0,/gpu:1".
       cross_device_ops: All-reduce: auto, nccl, hierarchical_copy or reduction_to_one_device.
       gpus: GPU indices to make visible, e.g. "0,1" (like CUDA_VISIBLE_DEVICES); empty for all.
@@ -66,6 +66,7 @@ class Config:
       lstm_layers: LSTM layers of model=lstm; model_parallel puts each on its own device.
       lstm_units: Units in each LSTM layer of model=lstm.
       microbatches: model_parallel: pipeline each replica's batch as this many micro-batches.
+      slurm_ps: Under SLURM, how many tasks are parameter servers (after task 0, the chief); 0 for synchronous.
     """
 
     epochs: int = 5
@@ -106,6 +107,7 @@ class Config:
     lstm_layers: int = 3
     lstm_units: int = 128
     microbatches: int = 1
+    slurm_ps: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "gpus", _parse_gpus(self.gpus))
@@ -233,6 +235,7 @@ def _validate(c: Config):
                  "num_parallel_calls", "data_threads"):
         _positive_int(c, name, optional=True)
     _check(_is_int(c.seed), f"seed={c.seed!r}: must be a whole number")
+    _check(_is_int(c.slurm_ps) and c.slurm_ps >= 0, f"slurm_ps={c.slurm_ps!r}: must be a whole number >= 0")
     _check(
         _is_number(c.learning_rate) and c.learning_rate > 0,
         f"learning_rate={c.learning_rate!r}: must be a number > 0",
@@ -288,7 +291,21 @@ def _validate(c: Config):
     if c.checkpoint_every_steps is not None:
         _check(c.model_dir is not None, "checkpoint_every_steps needs model_dir, the folder to save into")
     _validate_resume(c)
+    _validate_mode_options(c)
     _validate_model(c)
+
+
+def _validate_mode_options(c: Config):
+    """Options that a mode with a loop of its own does not run, refused rather than ignored."""
+    if c.strategy in (MODEL_PARALLEL, "parameter_server"):
+        _check(not c.augment, f"augment is not available with strategy={c.strategy} (its input pipeline has no "
+               "augmentation); drop --augment, or use a data-parallel strategy")
+    if c.strategy == "parameter_server":
+        _check(c.model == "convnet", f"model={c.model} is not available with strategy=parameter_server, which "
+               "trains the ConvNet; use model=convnet")
+        for name in ("profile_steps", "checkpoint_every_steps"):
+            _check(getattr(c, name) is None, f"{name} is not available with strategy=parameter_server (it saves "
+                   "after each epoch and on a signal); drop it")
 
 
 def _validate_model(c: Config):

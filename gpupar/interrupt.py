@@ -42,6 +42,16 @@ class StopRequests:
                 self._previous[s] = signal.signal(s, self._handle)
         return self
 
+    def reinstall(self):
+        """Takes the signals back from a handler installed since __enter__.
+
+        TensorFlow's distributed runtime (its coordination service's preemption notifier) puts
+        its own SIGTERM handler in place when a multi-worker strategy starts.
+        """
+        if self._previous:
+            for s in SIGNALS:
+                signal.signal(s, self._handle)
+
     def __exit__(self, *exc):
         for s, handler in self._previous.items():
             signal.signal(s, handler)

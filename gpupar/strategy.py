@@ -9,6 +9,7 @@ import logging
 import sys
 from typing import Optional, Sequence, Tuple
 
+from gpupar.cluster import Cluster
 from gpupar.config import CROSS_DEVICE_OPS, MODEL_PARALLEL, STRATEGIES
 from gpupar.errors import GpuparError
 
@@ -18,11 +19,15 @@ _CLASS_NAMES = {
     "one_device": "OneDeviceStrategy",
     "mirrored": "MirroredStrategy",
     "central_storage": "CentralStorageStrategy",
+    "multi_worker_mirrored": "MultiWorkerMirroredStrategy",
+    "parameter_server": "ParameterServerStrategy",
 }
+CLUSTER_KINDS = ("multi_worker_mirrored", "parameter_server")
 _ALL_REDUCE_NAMES = {
     "nccl": "NcclAllReduce",
     "hierarchical_copy": "HierarchicalCopyAllReduce",
     "reduction_to_one_device": "ReductionToOneDevice",
+    "ring": "RING collective",
 }
 
 
@@ -31,11 +36,14 @@ class Plan:
     """A strategy decision.
 
     Attributes:
-      kind: one_device, mirrored or central_storage (never auto).
-      devices: The compute devices, one replica each.
-      cross_device_ops: The all-reduce for mirrored (a CROSS_DEVICE_OPS name), else None.
+      kind: one_device, mirrored, central_storage, multi_worker_mirrored or parameter_server
+        (never auto).
+      devices: The compute devices, one replica each (on every worker, for multi_worker_mirrored).
+      cross_device_ops: The all-reduce for mirrored (a CROSS_DEVICE_OPS name) and for
+        multi_worker_mirrored (ring or nccl), else None.
       parameter_device: Where central_storage keeps the variables, else None.
       reason: Why this plan, in a few words.
+      cluster: The cluster for multi_worker_mirrored and parameter_server, else None.
     """
 
     kind: str
@@ -43,13 +51,31 @@ class Plan:
     cross_device_ops: Optional[str]
     parameter_device: Optional[str]
     reason: str
+    cluster: Optional[Cluster] = None
 
     @property
     def num_replicas(self) -> int:
+        """Replicas in sync; for parameter_server, the workers (each updates on its own)."""
+        if self.kind == "multi_worker_mirrored":
+            return len(self.devices) * self.cluster.num_workers
+        if self.kind == "parameter_server":
+            return len(self.cluster.jobs["worker"])
         return len(self.devices)
 
     def describe(self) -> str:
         """One log line: strategy, devices, replicas and all-reduce."""
+        if self.kind == "parameter_server":
+            return (
+                f"strategy: ParameterServerStrategy with {self.num_replicas} worker(s) and "
+                f"{self.cluster.num_ps} parameter server(s), coordinated by chief:0; updates: "
+                f"asynchronous, variables on the parameter servers; {self.cluster.describe()}; {self.reason}"
+            )
+        if self.kind == "multi_worker_mirrored":
+            return (
+                f"strategy: MultiWorkerMirroredStrategy on {self.cluster.num_workers} workers x "
+                f"{', '.join(self.devices)} ({self.num_replicas} replicas); all-reduce: "
+                f"{_ALL_REDUCE_NAMES[self.cross_device_ops]}; {self.cluster.describe()}; {self.reason}"
+            )
         if self.kind == "mirrored":
             reduce = _ALL_REDUCE_NAMES[self.cross_device_ops]
         elif self.kind == "central_storage":
@@ -76,8 +102,13 @@ def plan_strategy(
     devices: Optional[Sequence[str]] = None,
     cross_device_ops: str = "auto",
     platform: str = sys.platform,
+    cluster: Optional[Cluster] = None,
 ) -> Plan:
-    """Chooses the strategy for the given logical GPUs and CPUs (or an explicit device list)."""
+    """Chooses the strategy for the given logical GPUs and CPUs (or an explicit device list).
+
+    With a cluster (from TF_CONFIG or SLURM), auto picks parameter_server when it has ps tasks
+    and multi_worker_mirrored otherwise; the one-machine kinds are refused.
+    """
     if kind == MODEL_PARALLEL:
         raise GpuparError(
             "strategy=model_parallel is gpupar's own pipeline, not a tf.distribute strategy: train with "
@@ -92,6 +123,8 @@ def plan_strategy(
         )
     gpus = [short_name(d) for d in gpus]
     cpus = [short_name(d) for d in cpus]
+    if cluster is not None or kind in CLUSTER_KINDS:
+        return _plan_cluster(kind, gpus, cross_device_ops, platform, cluster, devices)
     if devices:
         chosen = [short_name(d) for d in devices]
         missing = [d for d in chosen if d not in gpus + cpus]
@@ -134,6 +167,54 @@ def plan_strategy(
     return Plan("central_storage", tuple(chosen), None, "/cpu:0", reason)
 
 
+def _plan_cluster(kind, gpus, cross_device_ops, platform, cluster, devices):
+    if cluster is None:
+        raise GpuparError(
+            f"strategy={kind} needs a cluster, but neither TF_CONFIG nor SLURM describes one (a "
+            "TF_CONFIG set after TensorFlow started is not seen either). Set TF_CONFIG before "
+            "starting each task, or try it on this machine with: gpupar launch --workers=2 -- "
+            f"--strategy={kind} ..."
+        )
+    where = cluster.describe()
+    if kind not in ("auto", *CLUSTER_KINDS):
+        raise GpuparError(
+            f"strategy={kind} runs on one machine, but there is a {where}; use "
+            "multi_worker_mirrored or parameter_server (or auto), or unset TF_CONFIG"
+        )
+    if devices:
+        raise GpuparError("devices=... picks devices on one machine; with a cluster, each task uses all its GPUs "
+                          "(limit them with gpus=...)")
+    if kind == "auto":
+        kind = "parameter_server" if cluster.num_ps else "multi_worker_mirrored"
+        reason = f"auto: {cluster.num_ps} ps task(s) in the cluster" if cluster.num_ps else "auto: a cluster without ps tasks"
+    else:
+        reason = f"asked for {kind}"
+    local = tuple(gpus) if gpus else ("/cpu:0",)
+    if kind == "parameter_server":
+        if not cluster.num_ps or "chief" not in cluster.jobs or not cluster.jobs.get("worker"):
+            raise GpuparError(
+                f"strategy=parameter_server needs a chief (the coordinator), ps and worker tasks, but "
+                f"the {where}; e.g. gpupar launch --workers=2 --ps=1 -- --strategy=parameter_server ..."
+            )
+        if cross_device_ops != "auto":
+            raise GpuparError(f"cross_device_ops={cross_device_ops} is an all-reduce; parameter_server has none (use auto)")
+        return Plan("parameter_server", local, None, None, reason, cluster)
+    if cluster.num_ps:
+        raise GpuparError(f"strategy=multi_worker_mirrored has no parameter servers, but the {where}; "
+                          "use strategy=parameter_server (or auto), or drop the ps job")
+    # Between workers the all-reduce is a collective: RING (gRPC) on CPUs, NCCL between GPUs.
+    if cross_device_ops == "auto":
+        reduce = "nccl" if gpus and platform.startswith("linux") else "ring"
+    elif cross_device_ops == "nccl" and gpus:
+        reduce = "nccl"
+    else:
+        raise GpuparError(
+            f"cross_device_ops={cross_device_ops} does not work between workers; multi_worker_mirrored "
+            f"takes auto (RING collectives, NCCL between GPUs on Linux){' or nccl' if gpus else ' (nccl needs GPUs)'}"
+        )
+    return Plan("multi_worker_mirrored", local, reduce, None, reason, cluster)
+
+
 def _choose_all_reduce(requested, devices, platform):
     all_gpu = all(d.startswith("/gpu:") for d in devices)
     if requested == "auto":
@@ -153,6 +234,8 @@ def build_strategy(plan: Plan):
     """Creates the tf.distribute.Strategy a Plan describes."""
     import tensorflow as tf
 
+    if plan.kind in CLUSTER_KINDS:
+        return _build_cluster_strategy(tf, plan)
     if plan.kind == "one_device":
         return tf.distribute.OneDeviceStrategy(plan.devices[0])
     if plan.kind == "central_storage":
@@ -167,10 +250,58 @@ def build_strategy(plan: Plan):
     return tf.distribute.MirroredStrategy(list(plan.devices), cross_device_ops=all_reduce)
 
 
-def detected_plan(kind="auto", devices=None, cross_device_ops="auto", max_cpus=None) -> Plan:
-    """Plans from TensorFlow's logical devices; `max_cpus` keeps only the first CPUs."""
+def _build_cluster_strategy(tf, plan: Plan):
+    """MultiWorkerMirroredStrategy or ParameterServerStrategy on the plan's cluster, checked.
+
+    The resolver is built from the parsed cluster, so the strategy sees exactly the cluster that
+    was validated; the check after creation catches a strategy that still sees one worker.
+    """
+    c = plan.cluster
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({job: list(a) for job, a in c.jobs.items()}),
+        task_type=c.task_type, task_id=c.task_index, rpc_layer="grpc",
+    )
+    if plan.kind == "parameter_server":
+        strategy = tf.distribute.ParameterServerStrategy(resolver)
+        seen, expected, what = len(strategy.extended.parameter_devices), c.num_ps, "parameter servers"
+    else:
+        implementation = {
+            "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+            "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+        }[plan.cross_device_ops]
+        try:
+            strategy = tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=resolver,
+                communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation),
+            )
+        except RuntimeError as e:  # "Collective ops must be configured at program startup"
+            raise GpuparError(
+                f"MultiWorkerMirroredStrategy could not join the cluster: TensorFlow was already running "
+                f"in this process ({e}). Create it first thing in each task: call gpupar.fit_mnist or "
+                "gpupar.make_strategy before any other TensorFlow work, in a fresh process"
+            ) from None
+        seen, expected, what = strategy.num_replicas_in_sync, plan.num_replicas, "replicas"
+    if seen != expected:
+        raise GpuparError(
+            f"{_CLASS_NAMES[plan.kind]} sees {seen} {what}, but the cluster has {expected}: "
+            "TensorFlow was set up before the strategy. Create it first thing in each task (gpupar does, "
+            "unless other TensorFlow work ran earlier in this process)"
+        )
+    return strategy
+
+
+def detected_plan(kind="auto", devices=None, cross_device_ops="auto", max_cpus=None, cluster=None) -> Plan:
+    """Plans from TensorFlow's logical devices; `max_cpus` keeps only the first CPUs.
+
+    With a cluster it looks only at physical GPUs, which leaves TensorFlow's runtime unstarted:
+    a multi-worker strategy must be created before it starts.
+    """
     import tensorflow as tf
 
+    if cluster is not None or kind in CLUSTER_KINDS:
+        gpus = [f"/gpu:{i}" for i, _ in enumerate(tf.config.get_visible_devices("GPU"))]
+        return plan_strategy(kind, gpus, ["/cpu:0"], devices=devices, cross_device_ops=cross_device_ops,
+                             cluster=cluster)
     gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
     cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
     if max_cpus is not None:
@@ -179,7 +310,12 @@ def detected_plan(kind="auto", devices=None, cross_device_ops="auto", max_cpus=N
 
 
 def make_strategy(kind="auto", devices=None, cross_device_ops="auto"):
-    """Returns the tf.distribute.Strategy for this machine's devices, and logs the choice."""
-    plan = detected_plan(kind, devices, cross_device_ops)
+    """Returns the tf.distribute.Strategy for this machine's devices (or cluster), and logs the choice.
+
+    The cluster comes from TF_CONFIG or SLURM; call this first thing in each task.
+    """
+    from gpupar.cluster import detect_cluster
+
+    plan = detected_plan(kind, devices, cross_device_ops, cluster=detect_cluster())
     log.info(plan.describe())
     return build_strategy(plan)

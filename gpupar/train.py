@@ -13,6 +13,7 @@ import tensorflow as tf
 from gpupar import assembly, augment, bottleneck, data, utilisation
 from gpupar.bottleneck import InputWait
 from gpupar.checkpoint import Checkpoints, ModelDirLock, Position
+from gpupar.cluster import detect_cluster
 from gpupar.config import MODEL_PARALLEL, Config
 from gpupar.devices import configure_devices
 from gpupar.errors import GpuparError
@@ -318,25 +319,61 @@ class _Loop:
         return history
 
 
+@contextlib.contextmanager
+def _lost_peers_explained(cluster, checkpoints):
+    """In a cluster, turns the errors of a worker that went away into one that says what to do."""
+    try:
+        yield
+    except (tf.errors.UnavailableError, tf.errors.CancelledError, tf.errors.DeadlineExceededError,
+            tf.errors.AbortedError, tf.errors.InternalError) as e:
+        if cluster is None:
+            raise
+        from gpupar.multi_worker import lost_peer
+
+        raise lost_peer(e, cluster, checkpoints.latest) from None
+
+
 def train_and_evaluate(config: Config) -> FitResult:
-    """Trains config.model as the config says, evaluating and checkpointing after every epoch."""
-    with ModelDirLock(config.model_dir), StopRequests() as stop:
-        return _train_and_evaluate(config, stop)
+    """Trains config.model as the config says, evaluating and checkpointing after every epoch.
+
+    In a cluster with parameter servers this process plays its task (gpupar/ps_train.py); in a
+    synchronous cluster every worker runs this loop and only the chief keeps what it writes.
+    """
+    cluster = detect_cluster(slurm_ps=config.slurm_ps)
+    if cluster is not None and cluster.num_ps:
+        from gpupar import ps_train
+
+        return ps_train.run_task(config, cluster)
+    if cluster is None:
+        with ModelDirLock(config.model_dir), StopRequests() as stop:
+            return _train_and_evaluate(config, stop)
+    from gpupar import multi_worker
+
+    with ModelDirLock(config.model_dir if cluster.is_chief else None), StopRequests() as stop, \
+            multi_worker.ScratchDir(cluster, config.model_dir) as scratch:
+        return _train_and_evaluate(multi_worker.worker_config(config, cluster), stop, cluster, scratch.path)
 
 
-def _train_and_evaluate(config: Config, stop) -> FitResult:
+def _train_and_evaluate(config: Config, stop, cluster=None, scratch_dir=None) -> FitResult:
     started = time.perf_counter()
     if config.strategy == MODEL_PARALLEL:
         configure_devices(config)
         from gpupar import model_parallel  # it builds on this module's loop
 
         return model_parallel.train_and_evaluate(config, stop, started)
-    run = assembly.assemble(config)
+    run = assembly.assemble(config, cluster)
+    if cluster is not None:
+        from gpupar.multi_worker import AgreedStop
+
+        stop.reinstall()  # TF's coordination service took SIGTERM over when the strategy started
+        stop = AgreedStop(stop, run.strategy)
     strategy, model, adam, global_batch, steps_per_epoch = (
         run.strategy, run.model, run.adam, run.global_batch, run.steps_per_epoch)
     num_test_steps = data.test_steps(len(run.splits.test_images), global_batch)
     checkpoints = Checkpoints(config.model_dir, model, adam, config.max_to_keep, global_batch)
     saved_at = checkpoints.restore(config.resume)
+    if scratch_dir is not None:
+        checkpoints.write_to(scratch_dir)  # a non-chief worker: it restores the chief's, keeps nothing
     start = saved_at.rebatched(global_batch, steps_per_epoch)
     if start.step != saved_at.step:
         log.info("the checkpoint is %d steps of %d into epoch %d; with %d steps of %d per epoch now, this run "
@@ -356,7 +393,7 @@ def _train_and_evaluate(config: Config, stop) -> FitResult:
 
     summaries = Summaries(config.log_dir)
     train = make_train_function(strategy, model, run.optimizer, global_batch, run.skips_nonfinite, run.augment_seed)
-    with contextlib.ExitStack() as cleanup:
+    with contextlib.ExitStack() as cleanup, _lost_peers_explained(cluster, checkpoints):
         cleanup.callback(summaries.close)
         gpu_sampler = utilisation.start_sampler(run.devices.visible_gpus, log)
         if gpu_sampler:

@@ -1,0 +1,254 @@
+"""`gpupar launch`: a cluster of gpupar processes on this machine, on loopback ports.
+
+    gpupar launch --workers=2 -- --strategy=multi_worker_mirrored --epochs=2 --model_dir=runs/mw
+    gpupar launch --workers=2 --ps=1 -- --strategy=parameter_server --epochs=2 --model_dir=runs/ps
+
+Each task is `python -m gpupar <flags>` with its own TF_CONFIG on 127.0.0.1 and a free port; its
+output lines are prefixed with its task name. With ps tasks there is also a chief (the
+coordinator). The launcher returns when the run is over: every task ended (synchronous), or the
+chief ended (parameter-server mode; the servers are then stopped). A task that fails stops all
+the others; with --restarts=N the whole cluster is started again, up to N times, with --resume
+(parameter-server mode restarts a failed worker alone: the coordinator retries its steps). Ctrl-C
+(or SIGTERM) sends SIGTERM to every task, so each saves a checkpoint, then SIGKILL after a grace
+period. Every process it started is gone when it returns.
+"""
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional
+
+from gpupar.cluster import Cluster, tf_config
+
+GRACE_SECONDS = 30.0
+
+
+def free_ports(count: int) -> List[int]:
+    """Ports on 127.0.0.1 that nothing listens on now (held open together, so all differ)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def loopback_cluster(workers: int, ps: int) -> Dict[str, List[str]]:
+    """Job -> addresses for `workers` workers and `ps` parameter servers (plus a chief when ps > 0)."""
+    sizes = {"chief": 1, "worker": workers, "ps": ps} if ps else {"worker": workers}
+    ports = iter(free_ports(sum(sizes.values())))
+    return {job: [f"127.0.0.1:{next(ports)}" for _ in range(n)] for job, n in sizes.items()}
+
+
+@dataclasses.dataclass
+class Task:
+    """One started process and its place in the cluster."""
+
+    name: str
+    cluster: Cluster
+    process: subprocess.Popen
+    reader: threading.Thread
+
+
+def _stream(prefix: str, pipe, out, lock):
+    for line in iter(pipe.readline, b""):
+        with lock:
+            out.write(f"[{prefix}] {line.decode(errors='replace')}")
+            out.flush()
+    pipe.close()
+
+
+class Launcher:
+    """Starts, watches and stops the tasks of one loopback cluster."""
+
+    def __init__(self, workers: int, ps: int, flags: List[str], restarts: int = 0, out=None):
+        self.jobs = loopback_cluster(workers, ps)
+        self.flags, self.restarts = list(flags), restarts
+        self.out = out or sys.stdout
+        self.lock = threading.Lock()
+        self.tasks: Dict[str, Task] = {}
+        self.stopping = None  # the signal that asked us to stop, if any
+
+    def say(self, message: str):
+        with self.lock:
+            self.out.write(f"[launch] {message}\n")
+            self.out.flush()
+
+    def start(self, job: str, index: int, flags: List[str]):
+        cluster = Cluster({j: tuple(a) for j, a in self.jobs.items()}, job, index, "TF_CONFIG")
+        env = dict(os.environ, TF_CONFIG=tf_config(cluster), PYTHONUNBUFFERED="1")
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TensorFlow's C++ INFO lines (server configs) drown the logs
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gpupar", *flags], env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,  # own process group
+        )
+        reader = threading.Thread(target=_stream, args=(cluster.task_name, process.stdout, self.out, self.lock),
+                                  daemon=True)
+        reader.start()
+        self.tasks[cluster.task_name] = Task(cluster.task_name, cluster, process, reader)
+        self.say(f"started {cluster.task_name} (pid {process.pid}) on {self.jobs[job][index]}")
+
+    def start_all(self, flags: List[str]):
+        for job in ("ps", "worker", "chief"):
+            for index in range(len(self.jobs.get(job, ()))):
+                self.start(job, index, flags)
+
+    def kill(self, task: Task, sig=signal.SIGKILL):
+        if task.process.poll() is None:
+            try:
+                os.killpg(task.process.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop_all(self, sig=signal.SIGKILL, grace: float = GRACE_SECONDS):
+        """Sends `sig` to every task's process group; SIGKILL whatever still runs after `grace` s."""
+        for task in self.tasks.values():
+            self.kill(task, sig)
+        deadline = time.monotonic() + grace
+        for task in self.tasks.values():
+            try:
+                task.process.wait(timeout=None if sig == signal.SIGKILL else max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                self.say(f"{task.name} still runs {grace:.0f} s after {signal.Signals(sig).name}; killing it")
+                self.kill(task)
+                task.process.wait()
+        for task in self.tasks.values():
+            # Each task's group too: nothing the task started may outlive the launcher.
+            try:
+                os.killpg(task.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            task.reader.join(timeout=5)
+        self.tasks.clear()
+
+    def _finished(self) -> Optional[int]:
+        """The run's exit status once it is over, else None.
+
+        Synchronous: over when every task ended, or one failed. Parameter-server mode: over when
+        the chief ended or a ps task died (workers are _failed_ps_worker's business).
+        """
+        if "ps" in self.jobs:
+            for task in self.tasks.values():
+                code = task.process.poll()
+                if task.cluster.task_type == "chief" and code is not None:
+                    return code
+                if task.cluster.task_type == "ps" and code is not None:
+                    return code or 1
+            return None
+        codes = [task.process.poll() for task in self.tasks.values()]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            return failed[0]
+        return 0 if all(c == 0 for c in codes) else None
+
+    def _watch(self) -> int:
+        while True:
+            if self.stopping is not None:
+                self.say(f"{signal.Signals(self.stopping).name}: stopping every task (SIGTERM; they save first)")
+                chief = self.tasks.get("chief:0")
+                if chief is not None:  # parameter servers: the coordinator saves while its servers still run
+                    self.kill(chief, signal.SIGTERM)
+                    try:
+                        chief.process.wait(timeout=GRACE_SECONDS)
+                    except subprocess.TimeoutExpired:
+                        pass
+                self.stop_all(signal.SIGTERM)
+                return 128 + self.stopping
+            status = self._finished()
+            if status is not None:
+                return status
+            failed = self._failed_ps_worker()
+            if failed is not None:
+                return failed
+            time.sleep(0.2)
+
+    def _failed_ps_worker(self) -> Optional[int]:
+        """In parameter-server mode, restarts a worker that died (if restarts are left)."""
+        if "ps" not in self.jobs:
+            return None
+        for task in list(self.tasks.values()):
+            code = task.process.poll()
+            if task.cluster.task_type == "worker" and code is not None:
+                if self.restarts <= 0:
+                    self.say(f"{task.name} ended with status {code}; no restarts left")
+                    return code if code else 1
+                self.restarts -= 1
+                task.reader.join(timeout=5)
+                self.say(f"{task.name} ended with status {code}; restarting it ({self.restarts} restart(s) left)")
+                # --resume: the config check would refuse a model_dir that holds checkpoints by now.
+                self.start(task.cluster.task_type, task.cluster.task_index, with_resume(self.flags))
+        return None
+
+    def run(self) -> int:
+        """Runs the cluster to the end; returns the exit status (that of the failing task, if any)."""
+        flags = self.flags
+        while True:
+            self.start_all(flags)
+            try:
+                status = self._watch()
+            finally:
+                failed = [f"{t.name}: {t.process.poll()}" for t in self.tasks.values() if t.process.poll() not in (None, 0)]
+                self.stop_all()
+            if status == 0 or self.stopping is not None:
+                return status
+            if self.restarts <= 0:
+                self.say(f"task(s) failed ({', '.join(failed) or status}); stopped every task")
+                return status
+            self.restarts -= 1
+            self.say(f"task(s) failed ({', '.join(failed)}); restarting the cluster with --resume "
+                     f"({self.restarts} restart(s) left)")
+            self.jobs = loopback_cluster(len(self.jobs["worker"]), len(self.jobs.get("ps", ())))
+            flags = self.flags = with_resume(flags)
+
+
+def with_resume(flags: List[str]) -> List[str]:
+    """The flags with --resume added, unless they already say how to resume."""
+    if any(f == "--resume" or f.startswith(("--resume=", "--resume_from", "--noresume")) for f in flags):
+        return list(flags)
+    return [*flags, "--resume"]
+
+
+def parse_args(argv: List[str]):
+    parser = argparse.ArgumentParser(
+        prog="gpupar launch", description="Run a gpupar cluster on this machine (loopback ports).",
+        epilog="Everything after -- goes to every task's gpupar, e.g. -- --strategy=parameter_server --epochs=2",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="worker tasks (default 2)")
+    parser.add_argument("--ps", type=int, default=0, help="parameter-server tasks; > 0 adds a chief (coordinator)")
+    parser.add_argument("--restarts", type=int, default=0,
+                        help="times to restart after a task fails (the cluster, or a parameter-server worker)")
+    if "--" in argv:
+        cut = argv.index("--")
+        own, flags = argv[:cut], argv[cut + 1:]
+    else:
+        own, flags = argv, []
+    args = parser.parse_args(own)
+    if args.workers < 1 or args.ps < 0 or args.restarts < 0:
+        parser.error("--workers must be >= 1, --ps and --restarts >= 0")
+    return args, flags
+
+
+def main(argv: List[str]) -> int:
+    """`gpupar launch [--workers=N] [--ps=M] [--restarts=R] -- <gpupar flags>`; returns the exit status."""
+    args, flags = parse_args(argv)
+    launcher = Launcher(args.workers, args.ps, flags, args.restarts)
+
+    def on_signal(signum, _frame):
+        if launcher.stopping is not None:  # a second Ctrl-C: no more waiting
+            launcher.stop_all()
+            os._exit(128 + launcher.stopping)
+        launcher.stopping = signum
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, on_signal)
+    return launcher.run()

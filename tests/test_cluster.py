@@ -1,0 +1,153 @@
+"""Cluster parsing (TF_CONFIG, SLURM) and the strategy decision for clusters: pure, no processes."""
+
+import json
+
+import pytest
+
+from gpupar.cluster import detect_cluster, parse_tf_config, tf_config
+from gpupar.errors import GpuparError
+from gpupar.launch import loopback_cluster, parse_args
+from gpupar.strategy import plan_strategy
+
+TWO_WORKERS = {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]}
+PS_CLUSTER = {"chief": ["h0:2222"], "worker": ["h1:2222", "h2:2222"], "ps": ["h3:2222"]}
+
+
+def _config(cluster, task_type="worker", index=0):
+    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+
+
+def test_two_machines_tf_config():
+    cluster = parse_tf_config(_config(TWO_WORKERS, "worker", 1))
+    assert cluster.num_workers == 2 and cluster.num_ps == 0
+    assert cluster.task_name == "worker:1" and not cluster.is_chief
+    assert parse_tf_config(_config(TWO_WORKERS, "worker", 0)).is_chief
+
+
+def test_chief_is_the_chief_task_when_there_is_one():
+    assert parse_tf_config(_config(PS_CLUSTER, "chief", 0)).is_chief
+    assert not parse_tf_config(_config(PS_CLUSTER, "worker", 0)).is_chief
+    assert parse_tf_config(_config(PS_CLUSTER, "ps", 0)).num_ps == 1
+
+
+def test_tf_config_round_trips():
+    cluster = parse_tf_config(_config(PS_CLUSTER, "worker", 1))
+    assert parse_tf_config(tf_config(cluster)) == cluster
+
+
+def test_tf_config_without_cluster_is_one_machine():
+    assert parse_tf_config('{"task": {"type": "worker", "index": 0}}') is None
+    assert detect_cluster({}) is None
+    assert detect_cluster({"TF_CONFIG": "  "}) is None
+
+
+@pytest.mark.parametrize("text, field", [
+    ("{not json", "is not valid JSON"),
+    ('["worker"]', "must be a JSON object"),
+    (json.dumps({"cluster": TWO_WORKERS}), "TF_CONFIG task "),
+    (json.dumps({"cluster": TWO_WORKERS, "task": {"index": 0}}), "TF_CONFIG task.type is missing"),
+    (_config(TWO_WORKERS, "chief", 0), "TF_CONFIG task.type = 'chief' is not a job"),
+    (_config(TWO_WORKERS, "worker", 2), "TF_CONFIG task.index = 2 is not a task of job 'worker'"),
+    (_config(TWO_WORKERS, "worker", "0"), "TF_CONFIG task.index = '0'"),
+    (_config({"worker": "10.0.0.1:2222"}), "TF_CONFIG cluster.worker must be a non-empty list"),
+    (_config({"worker": ["10.0.0.1"]}), "TF_CONFIG cluster.worker[0] = '10.0.0.1' is not \"host:port\""),
+    (_config({"worker": ["a:1", "a:1"]}), "TF_CONFIG cluster.worker names an address twice"),
+    (_config({"trainer": ["a:1"]}, "trainer"), "TF_CONFIG cluster.trainer is not a job"),
+    (_config({"ps": ["a:1"]}, "ps"), "has no worker or chief task"),
+    (_config({"chief": ["a:1", "b:1"], "worker": ["c:1"]}), "TF_CONFIG cluster.chief has 2 tasks"),
+])
+def test_malformed_tf_config_names_the_field(text, field):
+    with pytest.raises(GpuparError, match="TF_CONFIG") as error:
+        detect_cluster({"TF_CONFIG": text})
+    assert field in str(error.value)
+
+
+def test_slurm_with_one_task_is_one_machine():
+    assert detect_cluster({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
+
+
+def test_slurm_needs_enough_tasks_for_its_parameter_servers():
+    with pytest.raises(GpuparError, match="slurm_ps=2 needs at least 4 SLURM tasks"):
+        detect_cluster({"SLURM_PROCID": "0", "SLURM_NTASKS": "3"}, slurm_ps=2)
+
+
+def test_slurm_job_step_through_tensorflows_resolver(monkeypatch):
+    """TensorFlow's SlurmClusterResolver reads the job step's variables (no scontrol, no nvidia-smi)."""
+    env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "n[1-2]",
+           "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cluster = detect_cluster(env)
+    assert cluster.source == "SLURM" and cluster.num_workers == 2
+    assert cluster.task_name == "worker:1" and cluster.jobs["worker"] == ("n1:8888", "n2:8888")
+
+
+def _plan(kind, cluster_json, gpus=(), **kw):
+    return plan_strategy(kind, list(gpus), ["/cpu:0"], cluster=parse_tf_config(cluster_json), **kw)
+
+
+def test_auto_picks_multi_worker_mirrored_for_a_cluster_of_workers():
+    plan = _plan("auto", _config(TWO_WORKERS))
+    assert plan.kind == "multi_worker_mirrored" and plan.cross_device_ops == "ring"
+    assert plan.num_replicas == 2 and plan.devices == ("/cpu:0",)
+    assert "MultiWorkerMirroredStrategy on 2 workers" in plan.describe()
+
+
+def test_multi_worker_mirrored_uses_nccl_between_gpus_on_linux():
+    plan = _plan("auto", _config(TWO_WORKERS), gpus=["/gpu:0", "/gpu:1"], platform="linux")
+    assert plan.cross_device_ops == "nccl" and plan.num_replicas == 4
+
+
+def test_auto_picks_parameter_server_when_the_cluster_has_ps_tasks():
+    plan = _plan("auto", _config(PS_CLUSTER, "chief"))
+    assert plan.kind == "parameter_server" and plan.num_replicas == 2
+    assert "ParameterServerStrategy with 2 worker(s) and 1 parameter server(s)" in plan.describe()
+
+
+@pytest.mark.parametrize("kind, cluster, message", [
+    ("mirrored", TWO_WORKERS, "strategy=mirrored runs on one machine"),
+    ("parameter_server", TWO_WORKERS, "strategy=parameter_server needs a chief"),
+    ("multi_worker_mirrored", PS_CLUSTER, "has no parameter servers"),
+])
+def test_kind_that_does_not_fit_the_cluster(kind, cluster, message):
+    with pytest.raises(GpuparError, match=message):
+        _plan(kind, _config(cluster))
+
+
+@pytest.mark.parametrize("kind", ["multi_worker_mirrored", "parameter_server"])
+def test_cluster_kind_without_a_cluster_says_how_to_get_one(kind):
+    with pytest.raises(GpuparError, match="needs a cluster.*gpupar launch"):
+        plan_strategy(kind, [], ["/cpu:0"])
+
+
+def test_all_reduce_between_workers_is_a_collective():
+    with pytest.raises(GpuparError, match="does not work between workers"):
+        _plan("multi_worker_mirrored", _config(TWO_WORKERS), cross_device_ops="hierarchical_copy")
+    with pytest.raises(GpuparError, match="nccl needs GPUs"):
+        _plan("multi_worker_mirrored", _config(TWO_WORKERS), cross_device_ops="nccl")
+
+
+def test_launcher_cluster_is_on_loopback_with_distinct_ports():
+    jobs = loopback_cluster(2, 1)
+    assert set(jobs) == {"chief", "worker", "ps"} and len(jobs["worker"]) == 2
+    addresses = [a for job in jobs.values() for a in job]
+    assert all(a.startswith("127.0.0.1:") for a in addresses) and len(set(addresses)) == 4
+    assert set(loopback_cluster(3, 0)) == {"worker"}
+
+
+def test_launcher_splits_its_arguments_from_the_tasks_flags():
+    args, flags = parse_args(["--workers=3", "--ps=1", "--", "--epochs=2", "--workers_note"])
+    assert (args.workers, args.ps, args.restarts) == (3, 1, 0) and flags == ["--epochs=2", "--workers_note"]
+    with pytest.raises(SystemExit):
+        parse_args(["--workers=0"])
+
+
+@pytest.mark.parametrize("rank, task", [(0, "chief:0"), (1, "ps:0"), (2, "worker:0"), (3, "worker:1")])
+def test_slurm_parameter_servers_follow_the_chief(monkeypatch, rank, task):
+    env = {"SLURM_PROCID": str(rank), "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NODELIST": "n[1-2]",
+           "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cluster = detect_cluster(env, slurm_ps=1)
+    assert cluster.task_name == task and cluster.jobs == {
+        "chief": ("n1:8888",), "ps": ("n1:8889",), "worker": ("n2:8888", "n2:8889")}

@@ -1,0 +1,69 @@
+"""Asynchronous training: 2 workers + 1 ps + the chief (coordinator) as processes on loopback."""
+
+import json
+import os
+import re
+import signal
+
+import pytest
+
+from conftest import make_idx_dir
+from launching import Launch, task_pids
+
+
+def _flags(data_dir, run_dir, **extra):
+    flags = {**dict(data_dir=data_dir, epochs=3, batch_size=32, learning_rate=1e-2, dropout=0.0, display_step=1000,
+                    strategy="parameter_server", model_dir=run_dir / "model", metrics_json=run_dir / "metrics.json"),
+             **extra}
+    return [f"--{k}={v}" for k, v in flags.items()]
+
+
+def _updates_by_worker(output):
+    """[(epoch, [updates of worker 0, of worker 1])] from the chief's epoch lines."""
+    lines = re.findall(r"\[chief:0\] Epoch:\[(\d+)\] train loss.*updates by worker: 0: (\d+), 1: (\d+)", output)
+    return [(int(e), [int(a), int(b)]) for e, a, b in lines]
+
+
+@pytest.fixture(scope="module")
+def ps_data(tmp_path_factory):
+    """1024 training images: 32 steps of 32 per epoch, enough for batch norm to settle."""
+    return make_idx_dir(tmp_path_factory.mktemp("ps_data"), num_train=1024, num_test=200)
+
+
+@pytest.mark.slow
+def test_two_workers_and_a_ps_train_the_convnet_well_above_chance(ps_data, tmp_path):
+    launch = Launch(["--workers=2", "--ps=1"], _flags(ps_data, tmp_path))
+    status = launch.finish(timeout=240)
+    assert status == 0, launch.output[-3000:]
+    launch.assert_no_strays()
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert [r["epoch"] for r in metrics["history"]] == [0, 1, 2] and metrics["replicas"] == 2
+    assert metrics["test_accuracy"] > 0.5  # chance is 0.1
+    assert "ParameterServerStrategy with 2 worker(s) and 1 parameter server(s)" in metrics["strategy"]
+    # Every step was applied by one worker or the other, and both took part.
+    updates = _updates_by_worker(launch.output)
+    assert [e for e, _ in updates] == [0, 1, 2]
+    assert all(sum(u) == 32 for _, u in updates) and sum(u[0] for _, u in updates) > 0 and sum(u[1] for _, u in updates) > 0
+    # The variables lived on the ps task: the chief's checkpoint holds them, one series.
+    files = sorted(f for f in os.listdir(tmp_path / "model") if f.endswith(".index"))
+    assert files == ["ckpt-1.index", "ckpt-2.index", "ckpt-3.index"]
+
+
+@pytest.mark.slow
+def test_coordinator_survives_a_worker_killed_and_restarted(ps_data, tmp_path):
+    launch = Launch(["--workers=2", "--ps=1", "--restarts=1"], _flags(ps_data, tmp_path, epochs=4))
+    try:
+        launch.wait_for(r"\[chief:0\] Epoch:\[0\] train loss", timeout=180)
+        victim = task_pids(launch.output)["worker:1"][0]
+        os.kill(victim, signal.SIGKILL)
+        status = launch.finish(timeout=240)
+    finally:
+        launch.kill_all()
+    assert status == 0, launch.output[-3000:]
+    launch.assert_no_strays()
+    assert "worker:1 ended with status -9; restarting it" in launch.output
+    assert len(task_pids(launch.output)["worker:1"]) == 2  # started again
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert [r["epoch"] for r in metrics["history"]] == [0, 1, 2, 3]
+    assert all(r["steps"] == 32 for r in metrics["history"])  # no step lost: the coordinator re-ran them
+    assert metrics["test_accuracy"] > 0.5
