@@ -30,7 +30,7 @@ test: venv data
 	$(VENV)/bin/python -m pytest -q
 
 test-fast: venv data
-	$(VENV)/bin/python -m pytest -q -m "not slow"
+	$(VENV)/bin/python -m pytest -q -m "not slow and not flaky"
 
 bench: venv data
 	$(VENV)/bin/python -m gpupar.bench --data_dir=$(DATA_DIR)
