@@ -1,9 +1,11 @@
-"""The ConvNet's layers: shapes, the L2 terms, and dropout that differs per replica."""
+"""The ConvNet's layers: shapes, the L2 terms, dropout that differs per replica, XLA batch norm."""
 
+import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
-from gpupar.model import ReplicaDropout, build_convnet, replica_consistent_state
+from gpupar.model import ReplicaDropout, XlaBatchNormalization, build_convnet, replica_consistent_state
 
 
 def test_convnet_shapes_and_l2_in_the_loss():
@@ -38,3 +40,39 @@ def test_dropout_keeps_the_expected_value_and_is_identity_at_inference():
     y = layer(x, training=True).numpy()
     assert abs((y != 0).mean() - 0.75) < 0.01 and abs(y.mean() - 1.0) < 0.02
     np.testing.assert_array_equal(layer(x, training=False).numpy(), x.numpy())
+
+
+def _batch_norm_step(layer, x, upstream):
+    """(outputs, d/dx, d/dgamma, d/dbeta) of sum(layer(x) * upstream) in training mode."""
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x, training=True)
+        total = tf.reduce_sum(tf.cast(y, tf.float32) * upstream)
+    return [y, *tape.gradient(total, [x, layer.gamma, layer.beta])]
+
+
+@pytest.mark.parametrize("shape", [(64, 28, 28, 6), (64, 100)])
+def test_xla_batch_norm_matches_keras_batch_norm(shape):
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(3.0, 2.0, shape), tf.float32)  # an offset mean, as after a conv
+    upstream = tf.constant(rng.normal(size=shape), tf.float32)
+    ours, theirs = XlaBatchNormalization(momentum=0.9), keras.layers.BatchNormalization(momentum=0.9)
+    for layer in (ours, theirs):
+        layer.build(shape)
+        layer.gamma.assign(rng.uniform(0.5, 1.5, shape[-1]).astype(np.float32))
+        layer.beta.assign(rng.normal(size=shape[-1]).astype(np.float32))
+    theirs.set_weights(ours.get_weights())
+    for a, b in zip(_batch_norm_step(ours, x, upstream), _batch_norm_step(theirs, x, upstream)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-4)
+    for a, b in zip(ours.get_weights(), theirs.get_weights()):  # moving statistics updated alike
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert np.abs(ours.moving_mean.numpy()).max() > 0.2  # and they did move
+    np.testing.assert_allclose(ours(x, training=False).numpy(), theirs(x, training=False).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_xla_batch_norm_really_compiles_with_xla():
+    layer = XlaBatchNormalization()
+    layer.build((8, 4))
+    graph = tf.function(lambda x: layer(x, training=True)).get_concrete_function(tf.TensorSpec((8, 4))).graph
+    calls = [op for op in graph.get_operations() if "PartitionedCall" in op.type]
+    assert [op.get_attr("_XlaMustCompile") for op in calls if "_XlaMustCompile" in op.node_def.attr] == [True]
