@@ -12,6 +12,7 @@ import keras
 
 from gpupar import data
 from gpupar.config import Config
+from gpupar.errors import GpuparError
 from gpupar.devices import DevicePlan, configure_devices
 from gpupar.idx import Splits
 from gpupar.model import build_model
@@ -34,8 +35,10 @@ class Assembly:
       steps_per_epoch: Steps in one epoch (capped by config.steps_per_epoch).
       model: The ConvNet.
       adam: The Adam optimizer, whose state the checkpoints hold.
-      optimizer: What applies the updates: adam, or a loss-scale optimizer around it (nan_policy=skip).
+      optimizer: What applies the updates: adam, or a loss-scale optimizer around it (nan_policy=skip,
+        precision=mixed_float16).
       augment_seed: Seed of the on-device augmentation; None when the step does not augment.
+      jit_compile: Whether each replica's step is compiled with XLA.
     """
 
     devices: DevicePlan
@@ -48,11 +51,8 @@ class Assembly:
     adam: Any
     optimizer: Any
     augment_seed: Optional[int]
-
-    @property
-    def skips_nonfinite(self) -> bool:
-        """Whether the optimizer is the loss-scale wrapper that drops non-finite steps."""
-        return self.optimizer is not self.adam
+    jit_compile: bool = False
+    skips_nonfinite: bool = False  # nan_policy=skip: a non-finite step is dropped and counted
 
 
 def assemble(config: Config, cluster=None) -> Assembly:
@@ -64,6 +64,12 @@ def assemble(config: Config, cluster=None) -> Assembly:
     plan = detected_plan(config.strategy, config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1,
                          cluster=cluster)
     log.info(plan.describe())
+    if config.jit_compile and plan.num_replicas > 1:
+        raise GpuparError(f"jit_compile needs one replica, and this run has {plan.num_replicas} (XLA cannot compile "
+                          "tf.distribute's all-reduce and cross-replica updates); drop jit_compile or use one device")
+    if config.precision == "mixed_float16" and not devices.visible_gpus:
+        log.warning("precision=mixed_float16 without a GPU: the CPU emulates much of float16 math; "
+                    "mixed_bfloat16 is the CPU's mixed precision")
     strategy = build_strategy(plan)
     keras.utils.set_random_seed(config.seed)
 
@@ -78,16 +84,23 @@ def assemble(config: Config, cluster=None) -> Assembly:
     with strategy.scope():
         model = build_model(config)
         adam = keras.optimizers.Adam(config.learning_rate)
-        # Keras' loss-scale optimizer is what skips non-finite steps. Its scale starts at 1, halves
-        # on a skipped step (the loop puts it back to 1 after every call) and never grows; powers
-        # of two scale float32 exactly.
-        optimizer = (keras.optimizers.LossScaleOptimizer(adam, initial_scale=1.0, dynamic_growth_steps=2**31 - 1)
-                     if config.nan_policy == "skip" else adam)
+        if config.precision == "mixed_float16":  # scales the loss so float16 gradients neither vanish nor overflow
+            optimizer = keras.optimizers.LossScaleOptimizer(adam)
+        elif config.nan_policy == "skip":
+            # Keras' loss-scale optimizer is what skips non-finite steps. Its scale starts at 1, halves
+            # on a skipped step (the loop puts it back to 1 after every call) and never grows; powers
+            # of two scale float32 exactly.
+            optimizer = keras.optimizers.LossScaleOptimizer(adam, initial_scale=1.0, dynamic_growth_steps=2**31 - 1)
+        else:
+            optimizer = adam
         optimizer.build(model.trainable_variables)
     if config.augment:
         log.info("augmentation: random shifts, rotations and zooms, on the %s", config.augment_on)
+    if config.precision != "float32" or config.jit_compile:
+        log.info("step: %s%s", config.precision, ", compiled with XLA" if config.jit_compile else "")
     augment_seed = config.seed if config.augment and config.augment_on == "device" else None
-    return Assembly(devices, plan, strategy, splits, global_batch, steps_per_epoch, model, adam, optimizer, augment_seed)
+    return Assembly(devices, plan, strategy, splits, global_batch, steps_per_epoch, model, adam, optimizer, augment_seed,
+                    config.jit_compile, config.nan_policy == "skip")
 
 
 def train_iterator(config: Config, run: Assembly, start_step: int = 0, limit: Optional[int] = None):

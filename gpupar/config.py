@@ -20,6 +20,7 @@ MODELS = ("convnet", "lstm")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
 DATASETS = ("mnist", "fashion_mnist")
 NAN_POLICIES = ("stop", "skip")
+PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 _DEVICE_NAME = re.compile(r"^/(device:)?(cpu|gpu):\d+$", re.IGNORECASE)
 
 
@@ -29,6 +30,7 @@ class Config:
 
     Attributes:
       epochs: Total epochs to train; a resumed run stops at the same total.
+      stop_at_accuracy: Stop after the first epoch whose test accuracy reaches this (e.g. 0.89); empty trains all epochs.
       batch_size: Examples per replica per step; the global batch is this times the replicas.
       learning_rate: Adam learning rate.
       strategy: auto, one_device, mirrored, central_storage, multi_worker_mirrored, parameter_server or model_parallel.
@@ -49,7 +51,7 @@ class Config:
       checkpoint_every_steps: Also save within an epoch every this many steps; empty saves per epoch only.
       log_dir: TensorBoard folder; empty writes no summaries.
       display_step: Print a progress line every this many steps.
-      steps_per_call: Train steps run inside one tf.function call.
+      steps_per_call: Train steps run inside one tf.function call; empty runs display_step steps per call (capped at the epoch), so the host reads results once per progress line.
       nan_policy: A step with a NaN or Inf loss or gradient: stop (error, last checkpoint kept) or skip it.
       dropout: Dropout rate before the last layer.
       sync_batch_norm: Batch-norm statistics over the global batch rather than each replica's.
@@ -66,10 +68,15 @@ class Config:
       lstm_layers: LSTM layers of model=lstm; model_parallel puts each on its own device.
       lstm_units: Units in each LSTM layer of model=lstm.
       microbatches: model_parallel: pipeline each replica's batch as this many micro-batches.
+      precision: float32, mixed_bfloat16 (CPUs with bfloat16 units, TPUs) or mixed_float16 (GPUs; with dynamic loss scaling).
+      jit_compile: Compile each train step with XLA (one replica only: tf.distribute's all-reduce cannot be compiled).
+      intra_op_threads: Threads one op may use; empty lets gpupar choose from the cores and replicas, 0 leaves it to TensorFlow.
+      inter_op_threads: Ops run at once; empty lets gpupar choose from the cores and replicas, 0 leaves it to TensorFlow.
       slurm_ps: Under SLURM, how many tasks are parameter servers (after task 0, the chief); 0 for synchronous.
     """
 
     epochs: int = 5
+    stop_at_accuracy: Optional[float] = None
     batch_size: int = 1024
     learning_rate: float = 1e-3
     strategy: str = "auto"
@@ -90,7 +97,7 @@ class Config:
     checkpoint_every_steps: Optional[int] = None
     log_dir: Optional[str] = None
     display_step: int = 10
-    steps_per_call: int = 1
+    steps_per_call: Optional[int] = None
     nan_policy: str = "stop"
     dropout: float = 0.5
     sync_batch_norm: bool = False
@@ -107,6 +114,10 @@ class Config:
     lstm_layers: int = 3
     lstm_units: int = 128
     microbatches: int = 1
+    precision: str = "float32"
+    jit_compile: bool = False
+    intra_op_threads: Optional[int] = None
+    inter_op_threads: Optional[int] = None
     slurm_ps: int = 0
 
     def __post_init__(self):
@@ -130,6 +141,14 @@ class Config:
                 f"{', '.join(field_names())}"
             )
         return dataclasses.replace(base, **options) if base is not None else cls(**options)
+
+    def steps_in_a_call(self, steps_per_epoch: int) -> int:
+        """Train steps per tf.function call: steps_per_call, else display_step capped at the epoch."""
+        return self.steps_per_call or min(self.display_step, steps_per_epoch)
+
+    def reached_target(self, test_accuracy: float) -> bool:
+        """Whether training should stop here, having reached stop_at_accuracy."""
+        return self.stop_at_accuracy is not None and test_accuracy >= self.stop_at_accuracy
 
     @property
     def resume_path(self) -> Optional[str]:
@@ -229,11 +248,15 @@ def _positive_int(config, name, optional=False):
 
 def _validate(c: Config):
     _check(_is_int(c.epochs) and c.epochs >= 0, f"epochs={c.epochs!r}: must be a whole number >= 0")
-    for name in ("batch_size", "display_step", "steps_per_call"):
+    for name in ("batch_size", "display_step"):
         _positive_int(c, name)
     for name in ("memory_limit_mb", "virtual_cpus", "max_to_keep", "checkpoint_every_steps", "steps_per_epoch",
-                 "num_parallel_calls", "data_threads"):
+                 "num_parallel_calls", "data_threads", "steps_per_call"):
         _positive_int(c, name, optional=True)
+    for name in ("intra_op_threads", "inter_op_threads"):
+        value = getattr(c, name)
+        _check(value is None or _is_int(value) and value >= 0,
+               f"{name}={value!r}: must be a whole number >= 0 (0 leaves it to TensorFlow), or empty to let gpupar choose")
     _check(_is_int(c.seed), f"seed={c.seed!r}: must be a whole number")
     _check(_is_int(c.slurm_ps) and c.slurm_ps >= 0, f"slurm_ps={c.slurm_ps!r}: must be a whole number >= 0")
     _check(
@@ -261,6 +284,9 @@ def _validate(c: Config):
         c.nan_policy in NAN_POLICIES,
         f"nan_policy={c.nan_policy!r} is unknown; choose one of: {', '.join(NAN_POLICIES)}",
     )
+    if c.stop_at_accuracy is not None:
+        _check(_is_number(c.stop_at_accuracy) and 0 < c.stop_at_accuracy <= 1,
+               f"stop_at_accuracy={c.stop_at_accuracy!r}: must be an accuracy in (0, 1], e.g. 0.89")
     if c.memory_fraction is not None:
         _check(
             _is_number(c.memory_fraction) and 0 < c.memory_fraction <= 1,
@@ -271,12 +297,22 @@ def _validate(c: Config):
             "memory_fraction and memory_limit_mb both cap GPU memory; give only one of them",
         )
     _check(
+        c.precision in PRECISIONS,
+        f"precision={c.precision!r} is unknown; choose one of: {', '.join(PRECISIONS)}",
+    )
+    _check(
+        not (c.precision == "mixed_float16" and c.nan_policy == "skip"),
+        "precision=mixed_float16 already skips the steps whose gradients overflow (dynamic loss scaling); "
+        "use it with nan_policy=stop",
+    )
+    _check(
         c.augment_on in AUGMENT_PLACEMENTS,
         f"augment_on={c.augment_on!r} is unknown; choose one of: {', '.join(AUGMENT_PLACEMENTS)}",
     )
     if c.profile_steps is not None:
         _check(c.log_dir is not None, "profile_steps needs log_dir, the TensorBoard folder the profile goes to")
-    for name in ("memory_growth", "soft_placement", "log_placement", "sync_batch_norm", "augment", "deterministic"):
+    for name in ("memory_growth", "soft_placement", "log_placement", "sync_batch_norm", "augment", "deterministic",
+                 "jit_compile"):
         _check(isinstance(getattr(c, name), bool), f"{name}={getattr(c, name)!r}: must be True or False")
     if c.data_dir is not None:
         _check(
@@ -300,6 +336,8 @@ def _validate_mode_options(c: Config):
     if c.strategy in (MODEL_PARALLEL, "parameter_server"):
         _check(not c.augment, f"augment is not available with strategy={c.strategy} (its input pipeline has no "
                "augmentation); drop --augment, or use a data-parallel strategy")
+        _check(c.precision == "float32" and not c.jit_compile, f"precision and jit_compile are not available with "
+               f"strategy={c.strategy} (its step is its own); use precision=float32 and no jit_compile")
     if c.strategy == "parameter_server":
         _check(c.model == "convnet", f"model={c.model} is not available with strategy=parameter_server, which "
                "trains the ConvNet; use model=convnet")

@@ -1,4 +1,4 @@
-"""TensorFlow runtime set-up: visible GPUs, GPU memory, placement and virtual CPUs.
+"""TensorFlow runtime set-up: visible GPUs, GPU memory, placement, virtual CPUs and thread pools.
 
 `plan_devices` decides from a device list alone (tests call it with fake GPUs);
 `configure_devices` is the one place that tells TensorFlow.
@@ -6,6 +6,7 @@
 
 import dataclasses
 import logging
+import os
 from typing import Optional, Sequence, Tuple
 
 from gpupar.errors import GpuparError
@@ -24,6 +25,8 @@ class DevicePlan:
       virtual_cpus: Logical CPU devices to create, or None to leave one.
       soft_placement: Value for tf.config.set_soft_device_placement.
       log_placement: Value for tf.debugging.set_log_device_placement.
+      intra_op_threads: Threads one op may use (0: TensorFlow's default, the number of cores).
+      inter_op_threads: Ops that may run at once (0: TensorFlow's default, the number of cores).
       ignored: One message per requested setting that has no effect here, and why.
     """
 
@@ -33,6 +36,8 @@ class DevicePlan:
     virtual_cpus: Optional[int]
     soft_placement: bool
     log_placement: bool
+    intra_op_threads: int = 0
+    inter_op_threads: int = 0
     ignored: Tuple[str, ...] = ()
 
 
@@ -46,13 +51,17 @@ def plan_devices(
     soft_placement: bool = True,
     log_placement: bool = False,
     gpu_memory_mb: Optional[Sequence[Optional[int]]] = None,
+    cores: int = 1,
+    intra_op_threads: Optional[int] = None,
+    inter_op_threads: Optional[int] = None,
 ) -> DevicePlan:
-    """Decides the runtime settings for a machine with `num_gpus` physical GPUs.
+    """Decides the runtime settings for a machine with `num_gpus` physical GPUs and `cores` CPU cores.
 
     `gpu_memory_mb` gives each physical GPU's total memory (None where unknown); it is only
-    needed for `memory_fraction`.
+    needed for `memory_fraction`. Thread counts given as None are chosen by plan_threads.
     """
     ignored = []
+    intra, inter = plan_threads(cores, num_gpus, virtual_cpus, intra_op_threads, inter_op_threads)
     if num_gpus == 0:
         requested = [
             ("gpus", gpus is not None),
@@ -61,7 +70,7 @@ def plan_devices(
             ("memory_fraction", memory_fraction is not None),
         ]
         ignored = [f"{name} ignored: this machine has no GPU" for name, on in requested if on]
-        return DevicePlan((), False, None, virtual_cpus, soft_placement, log_placement, tuple(ignored))
+        return DevicePlan((), False, None, virtual_cpus, soft_placement, log_placement, intra, inter, tuple(ignored))
 
     visible = tuple(range(num_gpus)) if gpus is None else tuple(gpus)
     missing = [i for i in visible if not 0 <= i < num_gpus]
@@ -81,7 +90,25 @@ def plan_devices(
     if limits is not None and memory_growth:
         ignored.append("memory_growth ignored: a memory limit is set, and TensorFlow allows only one")
         memory_growth = False
-    return DevicePlan(visible, memory_growth, limits, virtual_cpus, soft_placement, log_placement, tuple(ignored))
+    return DevicePlan(visible, memory_growth, limits, virtual_cpus, soft_placement, log_placement, intra, inter,
+                      tuple(ignored))
+
+
+def plan_threads(cores: int, num_gpus: int, virtual_cpus: Optional[int], intra: Optional[int] = None,
+                 inter: Optional[int] = None) -> Tuple[int, int]:
+    """(intra-op, inter-op) thread counts; 0 leaves one to TensorFlow, a given count is kept.
+
+    Replicas on N virtual CPUs share one machine's cores, and TensorFlow gives every op all the
+    cores: N replicas' ops then queue behind each other, each barely using its threads (the
+    ConvNet's small convolutions). Like the classic one-tower-per-core code, gpupar gives each
+    op its share of the cores and lets the N replicas' ops run at once. Elsewhere (one CPU
+    device, or GPUs doing the work) TensorFlow's defaults stay.
+    """
+    if num_gpus == 0 and virtual_cpus is not None and virtual_cpus > 1:
+        chosen_intra, chosen_inter = max(1, cores // virtual_cpus), max(virtual_cpus, cores)
+    else:
+        chosen_intra, chosen_inter = 0, 0
+    return (chosen_intra if intra is None else intra), (chosen_inter if inter is None else inter)
 
 
 def _fraction_limit(index, fraction, gpu_memory_mb):
@@ -141,16 +168,38 @@ def configure_devices(config) -> DevicePlan:
         soft_placement=config.soft_placement,
         log_placement=config.log_placement,
         gpu_memory_mb=totals,
+        cores=len(os.sched_getaffinity(0)),
+        intra_op_threads=config.intra_op_threads,
+        inter_op_threads=config.inter_op_threads,
     )
     for message in plan.ignored:
         log.info(message)
     tf.config.set_soft_device_placement(plan.soft_placement)
     tf.debugging.set_log_device_placement(plan.log_placement)
+    _apply_threads(tf, plan)
     try:
         _apply_runtime_settings(tf, plan, physical_gpus)
     except RuntimeError as e:
         _accept_initialised_runtime(tf, plan, physical_gpus, e)
     return plan
+
+
+def _apply_threads(tf, plan):
+    """Sets the thread pools; once TensorFlow has started they are fixed, which is then logged."""
+    wanted = (plan.intra_op_threads, plan.inter_op_threads)
+    current = (tf.config.threading.get_intra_op_parallelism_threads(),
+               tf.config.threading.get_inter_op_parallelism_threads())
+    if wanted == current:
+        return
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(plan.intra_op_threads)
+        tf.config.threading.set_inter_op_parallelism_threads(plan.inter_op_threads)
+    except RuntimeError:
+        log.info("TensorFlow had already started with %s intra-op and %s inter-op threads; keeping them",
+                 *(n or "default" for n in current))
+        return
+    if any(wanted):
+        log.info("threads: %s per op, %s ops at once", *(n or "TensorFlow's default" for n in wanted))
 
 
 def _apply_runtime_settings(tf, plan, physical_gpus):

@@ -22,7 +22,7 @@ from gpupar.bottleneck import InputWait
 from gpupar.config import Config
 from gpupar.assembly import assemble, train_iterator
 from gpupar.errors import GpuparError
-from gpupar.train import make_train_function
+from gpupar.train import assembled_train_function
 
 log = logging.getLogger("gpupar")
 WARM_UP_STEPS = 3  # traced and discarded before each measurement
@@ -120,9 +120,8 @@ def diagnose(config: Config, steps: int = 30) -> Report:
     if steps < bottleneck.MIN_STEPS:
         raise GpuparError(f"diagnose_steps={steps}: judging needs at least {bottleneck.MIN_STEPS} timed steps")
     run = assemble(config)
-    train = make_train_function(run.strategy, run.model, run.optimizer, run.global_batch, run.skips_nonfinite,
-                                run.augment_seed)
-    per_call = config.steps_per_call
+    train = assembled_train_function(run)
+    per_call = config.steps_in_a_call(run.steps_per_epoch)
 
     # The step alone first, while no pipeline is running; the batch's own pipeline ends after it.
     one_batch = _OneBatch(next(train_iterator(config, run, limit=1)))

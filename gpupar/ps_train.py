@@ -149,7 +149,8 @@ class _Epochs:
                 raise TrainingInterrupted(stop.signum, saved)
             while len(pending) >= self.max_in_flight:  # bounded: wait for the oldest before scheduling more
                 collect(pending.pop(0))
-            num_steps = min(c.steps_per_call, spe - step)
+            # Unless told otherwise, a closure per step: an epoch spreads evenly over the workers.
+            num_steps = min(c.steps_per_call or 1, spe - step)
             pending.append((num_steps, self.coordinator.schedule(self.train, args=(self.iterator, num_steps))))
             step += num_steps
             done = first_step + totals["steps"]
@@ -192,6 +193,10 @@ class _Epochs:
             )
             if stop.signum:
                 raise TrainingInterrupted(stop.signum, saved)
+            if self.config.reached_target(record.test_accuracy):
+                log.info("Epoch:[%d] test accuracy %.4f reached stop_at_accuracy=%s; stopping", epoch,
+                         record.test_accuracy, self.config.stop_at_accuracy)
+                break
         return history
 
 

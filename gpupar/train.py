@@ -108,39 +108,40 @@ def _summed_over_steps(strategy, replica_step, timed=False):
 
 
 def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonfinite: bool = False,
-                        augment_seed=None):
+                        augment_seed=None, jit_compile: bool = False):
     """Returns train(iterator, num_steps, skip_first_wait) -> (loss sum, correct, input wait s, step s).
 
     It runs num_steps synchronous steps inside one tf.function call; the sums are over replicas
     and steps, the seconds are from steps_in_one_call. With augment_seed, each replica warps
-    its images (gpupar.augment) at the start of the step, on its own device. With skip_nonfinite the
-    optimizer must be a keras.optimizers.LossScaleOptimizer: a step whose loss or gradient is
-    not finite on any replica is then dropped on all of them (no update, batch-norm statistics
-    restored) and adds nothing to the sums.
+    its images (gpupar.augment) at the start of the step, on its own device. A
+    keras.optimizers.LossScaleOptimizer (mixed_float16, or nan_policy=skip) skips a step whose
+    gradients are not finite on any replica, on all of them; with skip_nonfinite such a step also
+    leaves the batch-norm statistics as they were and adds nothing to the sums. With jit_compile
+    each replica's step (forward, backward, update) is one XLA computation.
     """
+    scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
-    def replica_step(images, labels):
+    def update(images, labels):
         statistics = [v for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
         if skip_nonfinite:
             before = [tf.identity(v) for v in statistics]
-        if augment_seed is not None:
-            images = augment.random_affine(images, augment.device_seed(augment_seed, optimizer.iterations))
         with tf.GradientTape() as tape:
-            logits = model(images, training=True)
+            logits = tf.cast(model(images, training=True), tf.float32)  # a mixed-precision model's are 16-bit
             per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
             # Each replica divides by the GLOBAL batch, so summing over replicas gives the mean.
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
             if model.losses:  # the LSTM has no weight penalty
                 loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
-            differentiated = optimizer.scale_loss(loss) if skip_nonfinite else loss
+            differentiated = optimizer.scale_loss(loss) if scaled else loss
         grads = tape.gradient(differentiated, model.trainable_variables)
         correct = _correct(logits, labels)
-        if skip_nonfinite:
+        if scaled:
             finite = _all_finite([*grads, loss])
             bad = tf.distribute.get_replica_context().all_reduce(SUM, 1.0 - tf.cast(finite, tf.float32)) > 0
             # The loss-scale optimizer skips non-finite gradients but decides from one replica's:
             # poison every replica's so they all agree.
             grads = [tf.where(bad, tf.constant(float("nan"), g.dtype), g) for g in grads]
+        if skip_nonfinite:
             for variable, value in zip(statistics, before):
                 variable.assign(tf.where(bad, value, variable))
             loss, correct = tf.where(bad, 0.0, loss), tf.where(bad, 0.0, correct)
@@ -151,7 +152,20 @@ def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonf
         optimizer.apply(grads, model.trainable_variables)
         return loss, correct
 
+    compiled = tf.function(update, jit_compile=True) if jit_compile else update
+
+    def replica_step(images, labels):
+        if augment_seed is not None:  # outside XLA: it has no CPU kernel for the image warp
+            images = augment.random_affine(images, augment.device_seed(augment_seed, optimizer.iterations))
+        return compiled(images, labels)
+
     return _summed_over_steps(strategy, replica_step, timed=True)
+
+
+def assembled_train_function(run: assembly.Assembly):
+    """make_train_function for an assembled run: its optimizer, augmentation and XLA choice."""
+    return make_train_function(run.strategy, run.model, run.optimizer, run.global_batch, run.skips_nonfinite,
+                               run.augment_seed, run.jit_compile)
 
 
 def make_test_function(strategy, model):
@@ -234,7 +248,7 @@ class _Loop:
 
     def _chunk(self, step):
         """Steps in the next call: K, cut at the epoch end and at step-checkpoint boundaries."""
-        num = min(self.config.steps_per_call, self.steps_per_epoch - step)
+        num = min(self.config.steps_in_a_call(self.steps_per_epoch), self.steps_per_epoch - step)
         every = self.config.checkpoint_every_steps
         if every is not None:
             num = min(num, every - step % every)
@@ -316,6 +330,10 @@ class _Loop:
             self._warn_if_input_bound()
             if stop.signum:
                 self._interrupt(stop, saved)
+            if self.config.reached_target(record.test_accuracy):
+                log.info("Epoch:[%d] test accuracy %.4f reached stop_at_accuracy=%s; stopping", epoch,
+                         record.test_accuracy, self.config.stop_at_accuracy)
+                break
         return history
 
 
@@ -392,7 +410,7 @@ def _train_and_evaluate(config: Config, stop, cluster=None, scratch_dir=None) ->
         return float(correct) / float(count)
 
     summaries = Summaries(config.log_dir)
-    train = make_train_function(strategy, model, run.optimizer, global_batch, run.skips_nonfinite, run.augment_seed)
+    train = assembled_train_function(run)
     with contextlib.ExitStack() as cleanup, _lost_peers_explained(cluster, checkpoints):
         cleanup.callback(summaries.close)
         gpu_sampler = utilisation.start_sampler(run.devices.visible_gpus, log)

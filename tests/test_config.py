@@ -67,12 +67,31 @@ def test_config_is_frozen():
         (dict(metrics_json="/proc/version/m.json"), "metrics_json='/proc/version/m.json' cannot be written"),
         (dict(log_dir="/proc/version/tb"), "log_dir='/proc/version/tb' cannot be written"),
         (dict(memory_growth="yes"), "memory_growth='yes'"),
+        (dict(steps_per_call=0), "steps_per_call=0: must be a whole number > 0"),
+        (dict(precision="float16"), "precision='float16' is unknown; choose one of: float32, mixed_bfloat16"),
+        (dict(precision="mixed_float16", nan_policy="skip"), "use it with nan_policy=stop"),
+        (dict(strategy="model_parallel", jit_compile=True), "precision and jit_compile are not available with"),
+        (dict(strategy="parameter_server", precision="mixed_bfloat16"), "not available with strategy=parameter_server"),
+        (dict(jit_compile=1), "jit_compile=1: must be True or False"),
+        (dict(intra_op_threads=-1), "intra_op_threads=-1: must be a whole number >= 0 (0 leaves it to TensorFlow)"),
+        (dict(stop_at_accuracy=1.5), "stop_at_accuracy=1.5: must be an accuracy in (0, 1]"),
     ],
 )
 def test_bad_values_are_one_clear_error(options, message):
     with pytest.raises(GpuparError, match=None) as e:
         Config.from_options(**options)
     assert message in str(e.value)
+
+
+def test_steps_per_call_defaults_to_display_step_capped_at_the_epoch():
+    assert Config(display_step=10).steps_in_a_call(58) == 10
+    assert Config(display_step=100).steps_in_a_call(8) == 8
+    assert Config(display_step=100, steps_per_call=3).steps_in_a_call(8) == 3
+
+
+def test_stop_at_accuracy_is_reached_at_or_above_the_target():
+    assert Config(stop_at_accuracy=0.89).reached_target(0.89) and not Config(stop_at_accuracy=0.89).reached_target(0.8899)
+    assert not Config().reached_target(1.0)
 
 
 def test_unknown_option_is_an_error_listing_valid_ones():

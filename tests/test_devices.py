@@ -3,7 +3,7 @@
 import pytest
 
 from gpupar.config import Config
-from gpupar.devices import configure_devices, plan_devices
+from gpupar.devices import configure_devices, plan_devices, plan_threads
 from gpupar.errors import GpuparError
 
 
@@ -48,6 +48,42 @@ def test_memory_fraction_without_totals_fails_clearly():
 def test_limit_wins_over_growth_and_says_so():
     plan = plan_devices(1, memory_growth=True, memory_limit_mb=1000)
     assert not plan.memory_growth and "memory_growth ignored" in plan.ignored[0]
+
+
+def test_virtual_cpus_share_the_cores_and_run_side_by_side():
+    assert plan_threads(cores=2, num_gpus=0, virtual_cpus=2) == (1, 2)
+    assert plan_threads(cores=8, num_gpus=0, virtual_cpus=2) == (4, 8)
+    assert plan_threads(cores=2, num_gpus=0, virtual_cpus=4) == (1, 4)
+
+
+def test_tensorflows_thread_defaults_stay_for_one_cpu_or_gpus_and_given_counts_win():
+    assert plan_threads(cores=2, num_gpus=0, virtual_cpus=None) == (0, 0)
+    assert plan_threads(cores=2, num_gpus=2, virtual_cpus=2) == (0, 0)
+    assert plan_threads(cores=2, num_gpus=0, virtual_cpus=2, intra=0, inter=0) == (0, 0)
+    assert plan_threads(cores=2, num_gpus=0, virtual_cpus=2, intra=2) == (2, 2)
+    plan = plan_devices(0, virtual_cpus=2, cores=4)
+    assert (plan.intra_op_threads, plan.inter_op_threads) == (2, 4)
+
+
+THREADS = """
+import os, sys
+import tensorflow as tf
+from gpupar.config import Config
+from gpupar.devices import configure_devices, plan_threads
+configure_devices(Config(virtual_cpus=2))
+expected = plan_threads(len(os.sched_getaffinity(0)), 0, 2)
+actual = (tf.config.threading.get_intra_op_parallelism_threads(), tf.config.threading.get_inter_op_parallelism_threads())
+tf.constant(1.0) + 1  # the runtime starts with them
+print("threads", actual == expected, len(tf.config.list_logical_devices("CPU")))
+"""
+
+
+def test_thread_pools_are_set_before_tensorflow_starts():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", THREADS], capture_output=True, text=True, timeout=120)
+    assert "threads True 2" in done.stdout, done.stdout + done.stderr[-2000:]
 
 
 def test_configured_runtime_accepts_what_it_can_still_honour(capsys):

@@ -198,15 +198,20 @@ def test_nan_policy_skip_drops_poisoned_steps_and_keeps_training(shared_idx_dir,
     assert np.isfinite(result.history[1].train_loss) and result.test_accuracy > 0.0
 
 
-def test_nan_policy_stop_names_epoch_and_step(shared_idx_dir, monkeypatch, tmp_path):
+@pytest.mark.parametrize("steps_per_call", [1, None])
+def test_nan_policy_stop_names_epoch_and_step(shared_idx_dir, monkeypatch, tmp_path, steps_per_call):
     _poison_every_third_batch(monkeypatch)
     from gpupar import data, idx
 
     splits = idx.load_idx_dir(shared_idx_dir)
     batches = data.train_dataset(splits.train_images, splits.train_labels, 32, seed=0).take(8)
     first_bad = 1 + [bool(np.isnan(x.numpy()).any()) for x, _ in batches].index(True)
-    with pytest.raises(GpuparError, match=rf"training loss became nan at epoch 0, step {first_bad}; stopped without saving"):
-        _fit(shared_idx_dir, batch_size=32, epochs=2, display_step=100, model_dir=str(tmp_path / "run"))
+    # One step per call names the step; by default a call is the whole 8-step epoch here (display_step
+    # capped at the epoch), and the host only sees its sum.
+    where = f"step {first_bad}" if steps_per_call == 1 else r"one of steps 1\.\.8"
+    with pytest.raises(GpuparError, match=rf"training loss became nan at epoch 0, {where}; stopped without saving"):
+        _fit(shared_idx_dir, batch_size=32, epochs=2, display_step=100, model_dir=str(tmp_path / "run"),
+             steps_per_call=steps_per_call)
     assert not os.path.exists(tmp_path / "run" / "ckpt-1.index")
 
 

@@ -56,8 +56,9 @@ def test_per_replica_batch_norm_is_not_the_same_update(shared_idx_dir):
 
 
 def test_steps_per_call_gives_the_same_result_as_single_steps(shared_idx_dir):
-    single = _fit(shared_idx_dir, strategy="mirrored", virtual_cpus=2, batch_size=16, steps_per_epoch=6)
-    packed = _fit(shared_idx_dir, strategy="mirrored", virtual_cpus=2, batch_size=16, steps_per_epoch=6, steps_per_call=4)
+    single = _fit(shared_idx_dir, strategy="mirrored", virtual_cpus=2, batch_size=16, steps_per_epoch=6, steps_per_call=1)
+    # By default a call runs display_step steps: here 4, then the epoch's last 2.
+    packed = _fit(shared_idx_dir, strategy="mirrored", virtual_cpus=2, batch_size=16, steps_per_epoch=6, display_step=4)
     assert _max_difference(single, packed) < 1e-6
     assert single.history[0].train_loss == pytest.approx(packed.history[0].train_loss, abs=1e-6)
 
@@ -156,3 +157,78 @@ def test_fit_on_tfds_mock_data():
     with tfds.testing.mock_data(num_examples=64):
         result = gpupar.fit_mnist(dataset="mnist", epochs=1, batch_size=16, display_step=100)
     assert result.history[0].steps == 4 and result.global_batch == 16
+
+
+def _update(result):
+    """The change training made to the weights, as one vector."""
+    return np.concatenate([(w - w0).ravel() for w, w0 in zip(result.model.get_weights(), _initial_weights())])
+
+
+def _cosine(a, b):
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def test_jit_compile_compiles_the_step_and_keeps_the_update(shared_idx_dir, capsys):
+    plain = _fit(shared_idx_dir, strategy="one_device", batch_size=32)
+    compiled = _fit(shared_idx_dir, strategy="one_device", batch_size=32, jit_compile=True)
+    assert "step: float32, compiled with XLA" in capsys.readouterr().out
+    # XLA's own convolutions and fusions round differently: the same update to float32 rounding.
+    assert _max_difference(plain, compiled) < 10 * ATOL and _cosine(_update(plain), _update(compiled)) > 0.999
+
+
+def test_jit_compile_puts_each_replica_step_in_one_xla_computation():
+    import keras
+    import tensorflow as tf
+
+    from gpupar.model import build_convnet
+    from gpupar.train import make_train_function
+
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+        model, adam = build_convnet(0.0), keras.optimizers.Adam()
+        adam.build(model.trainable_variables)
+    images, labels = tf.zeros([4, 28, 28, 1]), tf.zeros([4], tf.int32)
+    iterator = iter(tf.data.Dataset.from_tensors((images, labels)).repeat())
+
+    def compiled_calls(jit):
+        train = make_train_function(strategy, model, adam, 4, jit_compile=jit)
+        library = train.get_concrete_function(iterator, tf.constant(1), tf.constant(False)).graph.as_graph_def().library
+        return [node.attr["f"].func.name for f in library.function for node in f.node_def
+                if node.attr["_XlaMustCompile"].b and "update" in node.attr["f"].func.name]
+
+    assert compiled_calls(True) and not compiled_calls(False)
+
+
+def test_jit_compile_with_several_replicas_is_refused_before_training(shared_idx_dir):
+    with pytest.raises(GpuparError, match="jit_compile needs one replica, and this run has 2"):
+        _fit(shared_idx_dir, strategy="mirrored", virtual_cpus=2, batch_size=16, jit_compile=True)
+
+
+@pytest.mark.parametrize("precision, dtype", [("mixed_bfloat16", "bfloat16"), ("mixed_float16", "float16")])
+def test_mixed_precision_computes_in_16_bits_and_keeps_the_update(shared_idx_dir, precision, dtype):
+    plain = _fit(shared_idx_dir, strategy="one_device", batch_size=32)
+    mixed = _fit(shared_idx_dir, strategy="one_device", batch_size=32, precision=precision)
+    conv = mixed.model.layers[0]
+    assert conv.compute_dtype == dtype and conv.kernel.dtype == "float32"  # float32 master weights
+    # 16-bit activations and gradients round at ~1e-2 relative: the update points the same way and
+    # the loss agrees to that rounding, yet they are not the float32 numbers.
+    assert _cosine(_update(plain), _update(mixed)) > 0.95 and _max_difference(plain, mixed) > ATOL
+    assert mixed.history[0].train_loss == pytest.approx(plain.history[0].train_loss, rel=2e-2)
+
+
+def test_mixed_float16_scales_the_loss(shared_idx_dir):
+    import keras
+
+    from gpupar.assembly import assemble
+
+    run = assemble(gpupar.Config(precision="mixed_float16", batch_size=16, data_dir=shared_idx_dir))
+    assert isinstance(run.optimizer, keras.optimizers.LossScaleOptimizer) and run.optimizer.dynamic_scale > 1
+    assert not run.skips_nonfinite
+
+
+def test_stop_at_accuracy_ends_after_the_first_epoch_that_reaches_it(shared_idx_dir, capsys):
+    result = _fit(shared_idx_dir, batch_size=32, steps_per_epoch=None, epochs=8, learning_rate=1e-2,
+                  stop_at_accuracy=0.3)
+    accuracies = [r.test_accuracy for r in result.history]
+    assert accuracies[-1] >= 0.3 and all(a < 0.3 for a in accuracies[:-1]) and len(accuracies) < 8
+    assert "reached stop_at_accuracy=0.3; stopping" in capsys.readouterr().out
