@@ -33,7 +33,7 @@ test-fast: venv data
 	$(VENV)/bin/python -m pytest -q -m "not slow and not flaky"
 
 bench: venv data
-	$(VENV)/bin/python -m gpupar.bench --data_dir=$(DATA_DIR)
+	$(VENV)/bin/gpupar bench --data_dir=$(DATA_DIR)
 
 bench-input: venv data
 	$(VENV)/bin/python -m gpupar.bench_input --data_dir=$(DATA_DIR)

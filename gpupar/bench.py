@@ -1,233 +1,370 @@
-"""Training throughput of gpupar's own loop against Keras model.fit, side by side.
+"""`gpupar bench`: gpupar against Keras model.fit, and each speed option on and off, on this machine.
 
-    python -m gpupar.bench                                          # about 3 minutes on 2 cores
-    python -m gpupar.bench --data_dir=/usr/share/datasets/fashion-mnist --json=runs/bench.json
-    python -m gpupar.bench --steps=3 --repeats=1 --batch_size=64    # quick check
+    gpupar bench                                      # about 20 minutes on 2 cores
+    python -m gpupar.bench --data_dir=/usr/share/datasets/fashion-mnist --json=runs/bench.json --plot=runs/bench.png
+    gpupar bench --replicas=1 --only='^(gpupar|model.fit)$' --steps=2 --repeats=1 --batch_size=16 --accuracy_target=0
 
-For 1 replica (OneDeviceStrategy on /cpu:0) and 2 replicas (MirroredStrategy over 2 virtual
-CPUs) it times steady-state training images/s of gpupar's loop (1 and 10 steps per call) and of
-model.fit, with the same model, input pipeline and strategy, and prints a table and writes JSON.
-Warm-up (tracing) steps are discarded. For each strategy, every round runs gpupar K=1, gpupar
-K=10 and one model.fit epoch, so machine noise hits them alike; the two strategies run one
-after the other.
+Every configuration runs in a process of its own (gpupar/bench_worker.py: thread pools, virtual
+CPUs and precision are fixed per process). They start one after another, so that set-up times
+are not disturbed; then in each round every process times `steps` steps in turn, so machine
+noise hits all of them alike. Per configuration it reports the median and spread of images/s,
+the ratio to model.fit with the same replicas (median of the per-round ratios), the fraction of
+the roofline (conv and dense FLOPs at this machine's matrix-multiply rate), seconds to the first
+step and peak memory. For gpupar's default configuration it then shows where the time goes (input
+wait, step and host from in-graph timestamps; op time by kind from a TensorBoard profile) and,
+last, trains it to a test accuracy (`--accuracy_target`) and reports the time.
 """
 
+import argparse
+import dataclasses
 import json
 import math
 import os
-import platform
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from typing import Dict, List, Optional, Tuple
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import keras  # noqa: E402  (the environment variable must come first)
-import tensorflow as tf  # noqa: E402
-from absl import app, flags  # noqa: E402
-from absl import logging as absl_logging  # noqa: E402
-
-from gpupar import data  # noqa: E402
-from gpupar.config import Config  # noqa: E402
-from gpupar.devices import configure_devices  # noqa: E402
-from gpupar.errors import GpuparError  # noqa: E402
-from gpupar.model import build_convnet  # noqa: E402
-from gpupar.strategy import build_strategy, detected_plan  # noqa: E402
-from gpupar.teardown import exit_without_teardown, keep_for_process  # noqa: E402
-from gpupar.train import make_train_function  # noqa: E402
-
-FLAGS = flags.FLAGS
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
-REPLICAS = (1, 2)
-STEPS_PER_CALL = (1, 10)
-FIT = "model.fit"
-SEED = 0
+GPUPAR, FIT = "gpupar", "model.fit"
+TUNED_STEPS_PER_EXECUTION = 10  # as gpupar's calls: display_step steps
 
 
-def define_flags():
-    """Defines the bench flags (only when run: gpupar.cli also has --data_dir and --batch_size)."""
-    flags.DEFINE_string("data_dir", None, f"Folder with the Fashion-MNIST IDX files; default {DEFAULT_DATA_DIR}.")
-    flags.DEFINE_string("json", "runs/bench.json", "Write the results to this JSON file.")
-    flags.DEFINE_integer("steps", 30, "Timed train steps per configuration and repeat.", lower_bound=1)
-    flags.DEFINE_integer("repeats", 5, "Timed rounds over all configurations.", lower_bound=1)
-    flags.DEFINE_integer("batch_size", 1024, "Examples per replica per step.", lower_bound=1)
+@dataclasses.dataclass(frozen=True)
+class Configuration:
+    """One row of the benchmark.
+
+    Attributes:
+      name: What the row shows, e.g. "gpupar jit_compile".
+      runner: gpupar, fit or matmul (gpupar.bench_worker.RUNNERS).
+      replicas: Data-parallel replicas (virtual CPUs on a machine without GPUs).
+      options: Config options (gpupar) or fit settings (steps_per_execution, gpupar_threads).
+    """
+
+    name: str
+    runner: str
+    replicas: int
+    options: Tuple[Tuple[str, object], ...] = ()
+
+    @property
+    def key(self) -> str:
+        return f"{self.name} x{self.replicas}"
 
 
-def gpupar_name(steps_per_call):
-    """The row name of gpupar's loop with this many steps per call."""
-    return f"gpupar K={steps_per_call}"
+def configurations(replicas=(1, 2, 4), gpu: bool = False) -> List[Configuration]:
+    """The rows: gpupar's default and model.fit (default and tuned) per replica count, then the options.
+
+    Options are each turned on (or gpupar's own choice off) alone, against the default: at 1
+    replica steps_per_call=1 (gpupar picks display_step), jit_compile and the machine's mixed
+    precision; with several replicas, TensorFlow's thread pools instead of gpupar's, for gpupar
+    and for model.fit.
+    """
+    rows = []
+    for r in replicas:
+        rows += [Configuration(GPUPAR, "gpupar", r), Configuration(FIT, "fit", r),
+                 Configuration(f"{FIT} steps_per_execution={TUNED_STEPS_PER_EXECUTION}", "fit", r,
+                               (("steps_per_execution", TUNED_STEPS_PER_EXECUTION),))]
+    if 1 in replicas:
+        mixed = "mixed_float16" if gpu else "mixed_bfloat16"
+        rows += [Configuration(f"{GPUPAR} steps_per_call=1", "gpupar", 1, (("steps_per_call", 1),)),
+                 Configuration(f"{GPUPAR} jit_compile", "gpupar", 1, (("jit_compile", True),)),
+                 Configuration(f"{GPUPAR} {mixed}", "gpupar", 1, (("precision", mixed),))]
+    several = [r for r in replicas if r > 1]
+    if several and not gpu:
+        r = several[0]
+        rows += [Configuration(f"{GPUPAR} TensorFlow's threads", "gpupar", r,
+                               (("intra_op_threads", 0), ("inter_op_threads", 0))),
+                 Configuration(f"{FIT} gpupar's threads", "fit", r, (("gpupar_threads", True),))]
+    return rows
 
 
-class _Rounds(keras.callbacks.Callback):
-    """Times every model.fit epoch after the first (warm-up) one, running `between()` before each."""
+class Worker:
+    """A bench_worker process for one configuration, answering one command at a time."""
 
-    def __init__(self, between):
-        super().__init__()
-        self.between = between
-        self.seconds = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if epoch > 0:
-            self.between()
-        self.started = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch > 0:  # the epoch has synchronised: Keras waits for the device at its end
-            self.seconds.append(time.perf_counter() - self.started)
-
-
-def bench_strategy(num_replicas, splits, batch_size, steps, repeats):
-    """Images/s per repeat of each configuration on one strategy: {name: [...]}, plus the plan."""
-    plan = detected_plan("one_device" if num_replicas == 1 else "mirrored", max_cpus=num_replicas)
-    print(plan.describe(), flush=True)
-    strategy = build_strategy(plan)
-    global_batch = batch_size * num_replicas
-    dataset = data.train_dataset(splits.train_images, splits.train_labels, global_batch, SEED)
-
-    keras.utils.set_random_seed(SEED)
-    with strategy.scope():
-        ours = build_convnet(dropout=0.5, seed=SEED)
-        optimizer = keras.optimizers.Adam(1e-3)
-        optimizer.build(ours.trainable_variables)
-        theirs = build_convnet(dropout=0.5, seed=SEED)
-        theirs.compile(
-            optimizer=keras.optimizers.Adam(1e-3),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
+    def __init__(self, configuration: Configuration, spec: dict, log_dir: str):
+        self.configuration = configuration
+        self.log_path = os.path.join(log_dir, re.sub(r"\W+", "_", configuration.key) + ".log")
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gpupar.bench_worker", json.dumps(spec)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.log, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
         )
-    train = make_train_function(strategy, ours, optimizer, global_batch)
-    iterator = keep_for_process(iter(strategy.experimental_distribute_dataset(dataset)))
 
-    def run_ours(steps_per_call, calls):
-        for _ in range(calls):
-            loss_sum, correct_sum, waited, busy = train(iterator, tf.constant(steps_per_call), tf.constant(False))
-            float(loss_sum), float(correct_sum), float(waited), float(busy)  # as gpupar's epoch loop reads them
+    def read(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith("BENCH "):
+                return json.loads(line[len("BENCH "):])
+        self.process.wait()
+        with open(self.log_path) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"{self.configuration.key}: its worker ended (status {self.process.returncode}):\n{tail}")
 
-    results = {gpupar_name(k): [] for k in STEPS_PER_CALL}
+    def ask(self, command: str) -> dict:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self.read()
 
-    def one_round_of_ours():
-        for k in STEPS_PER_CALL:
-            calls = math.ceil(steps / k)
-            started = time.perf_counter()
-            run_ours(k, calls)
-            results[gpupar_name(k)].append(calls * k * global_batch / (time.perf_counter() - started))
-
-    for k in STEPS_PER_CALL:  # warm-up: tracing, then one untimed call of each size
-        run_ours(k, 2 if k == 1 else 1)
-    # One fit call, so Keras makes (and later destroys) its iterator once: epoch 0 is its
-    # warm-up, and before each later epoch the callback runs one round of gpupar's loop.
-    rounds = _Rounds(one_round_of_ours)
-    theirs.fit(dataset, epochs=repeats + 1, steps_per_epoch=steps, callbacks=[rounds], shuffle=False, verbose=0)
-    results[FIT] = [steps * global_batch / s for s in rounds.seconds]
-    return results, plan
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.log.close()
 
 
-def summarise(images_per_second):
-    """Median, min and max of a list of images/s."""
-    return {
-        "median": statistics.median(images_per_second),
-        "min": min(images_per_second),
-        "max": max(images_per_second),
-    }
+def timed_steps(row: Configuration, steps: int) -> int:
+    """`steps`, rounded up to whole model.fit executions (fit runs steps_per_execution at a time)."""
+    per_execution = dict(row.options).get("steps_per_execution", 1) if row.runner == "fit" else 1
+    return math.ceil(steps / per_execution) * per_execution
 
 
-def table(report):
-    """The results as text: one row per configuration, then the gpupar/model.fit ratios."""
-    lines = [f"{'configuration':<14}{'replicas':>9}{'global batch':>14}{'steps':>7}"
-             f"{'img/s median':>14}{'min':>9}{'max':>9}"]
-    for row in report["configurations"]:
+def _spread(values: List[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _paired_ratio(numerators: List[float], denominators: List[float]) -> float:
+    """Median over rounds of the ratio within each round: noise that hits a whole round cancels."""
+    return statistics.median(a / b for a, b in zip(numerators, denominators))
+
+
+def summarise(rows: List[Configuration], ready: Dict[str, dict], runs: Dict[str, List[dict]], memory: Dict[str, dict],
+              matmul: Optional[dict], flops_per_image: Optional[float]) -> List[dict]:
+    """One JSON-ready record per configuration: rates, spread, ratios, roofline, first step, memory."""
+    rates = {key: [r["images_per_second"] for r in values] for key, values in runs.items()}
+    records = []
+    for row in rows:
+        if row.runner == "matmul":
+            continue
+        key = row.key
+        record = {"name": row.name, "replicas": row.replicas, "options": dict(row.options),
+                  "strategy": ready[key]["strategy"], "steps_per_call": ready[key]["steps_per_call"],
+                  "images_per_second": rates[key], **_spread(rates[key]),
+                  "first_step_seconds": ready[key]["first_step_seconds"], "peak_memory": memory.get(key)}
+        fit = Configuration(FIT, "fit", row.replicas).key
+        if fit in rates and key != fit:
+            record["vs_model_fit"] = _paired_ratio(rates[key], rates[fit])
+        single = Configuration(row.name, row.runner, 1, row.options).key
+        if row.replicas > 1 and single in rates:
+            record["vs_one_replica"] = _paired_ratio(rates[key], rates[single])
+        if matmul and flops_per_image:
+            peak = matmul["bfloat16_flops" if "bfloat16" in row.name else "float32_flops"]
+            record["roofline_fraction"] = record["median"] * flops_per_image / peak
+        if row.runner == "gpupar":
+            totals = {part: sum(r[f"{part}_seconds"] for r in runs[key]) for part in ("input_wait", "step", "host")}
+            whole = sum(r["seconds"] for r in runs[key])
+            record["time_shares"] = {part: seconds / whole for part, seconds in totals.items()}
+        records.append(record)
+    return records
+
+
+def table(report: dict) -> str:
+    """The report as text: one row per configuration, then the roofline, profile and accuracy lines."""
+    lines = [f"{'configuration':<34}{'replicas':>8}{'img/s median':>14}{'min-max':>17}{'vs fit':>8}"
+             f"{'x1 repl.':>9}{'roofline':>9}{'1st step s':>11}{'peak MB':>9}"]
+    for r in report["configurations"]:
+        memory = (r["peak_memory"] or {}).get("gpu_mb", (r["peak_memory"] or {}).get("host_mb"))
+        spread = f"{r['min']:,.0f}-{r['max']:,.0f}"
         lines.append(
-            f"{row['name']:<14}{row['replicas']:>9}{row['global_batch']:>14}{row['steps']:>7}"
-            f"{row['median']:>14,.0f}{row['min']:>9,.0f}{row['max']:>9,.0f}"
-        )
-    for replicas, ratios in report["ratios"].items():
-        text = ", ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items())
-        lines.append(f"gpupar/model.fit (median), {replicas} replica{'s' if int(replicas) > 1 else ''}: {text}")
+            f"{r['name']:<34}{r['replicas']:>8}{r['median']:>14,.0f}{spread:>17}"
+            f"{_times(r.get('vs_model_fit')):>8}{_times(r.get('vs_one_replica')):>9}"
+            f"{_percent(r.get('roofline_fraction')):>9}{r['first_step_seconds']:>11.1f}"
+            f"{'' if memory is None else f'{memory:,.0f}':>9}")
+    if report.get("flops_per_image"):
+        lines.append(f"roofline: {report['flops_per_image'] / 1e6:.2f} MFLOP per image (conv and dense, forward and "
+                     f"backward) at the matmul rate, float32 {report['matmul']['float32_flops'] / 1e9:,.0f} GFLOP/s, "
+                     f"bfloat16 {report['matmul']['bfloat16_flops'] / 1e9:,.0f} GFLOP/s")
+    for r in report["configurations"]:
+        if r["name"] == GPUPAR and "time_shares" in r:
+            shares = ", ".join(f"{part.replace('_', ' ')} {share:.0%}" for part, share in r["time_shares"].items())
+            lines.append(f"gpupar x{r['replicas']}, where the time goes: {shares} ({r['strategy']})")
+    for replicas, seconds in report.get("op_seconds", {}).items():
+        total = sum(v for k, v in seconds.items() if not k.startswith("input"))
+        parts = ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])
+                          if not k.startswith("input"))
+        lines.append(f"gpupar x{replicas}, op time by kind (profile): {parts}")
+    accuracy = report.get("time_to_accuracy")
+    if accuracy:
+        reached = "reached" if accuracy["reached"] else "did NOT reach"
+        lines.append(f"time to {accuracy['target']} test accuracy (gpupar default, 1 replica): {reached} "
+                     f"{accuracy['test_accuracy']:.4f} after {accuracy['epochs']} epoch(s), "
+                     f"{accuracy['seconds']:.0f} s for the whole command")
     return "\n".join(lines)
 
 
-def benchmark(data_dir, batch_size, steps, repeats):
-    """Runs every configuration and returns the JSON-ready report."""
-    splits = data.load_splits("fashion_mnist", data_dir)
+def _times(value):
+    return "" if value is None else f"{value:.2f}x"
+
+
+def _percent(value):
+    return "" if value is None else f"{value:.1%}"
+
+
+def plot(report: dict, path: str):
+    """A PNG of images/s per configuration (median, with the min-max spread)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["configurations"]
+    labels = [f"{r['name']}  x{r['replicas']}" for r in rows]
+    medians = [r["median"] for r in rows]
+    errors = [[r["median"] - r["min"] for r in rows], [r["max"] - r["median"] for r in rows]]
+    colours = ["tab:blue" if r["name"].startswith(GPUPAR) else "tab:orange" for r in rows]
+    figure, axes = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
+    axes.barh(range(len(rows)), medians, xerr=errors, color=colours, capsize=3)
+    axes.set_yticks(range(len(rows)), labels)
+    axes.invert_yaxis()
+    axes.set_xlabel("training images/s (median of rounds; bars: min-max)")
+    axes.set_title(f"gpupar bench: batch {report['batch_size']} per replica, {report['machine']['cores']} cores")
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def time_to_accuracy(data_dir: str, target: float, max_epochs: int, work_dir: str) -> dict:
+    """Trains gpupar's default configuration until `target` test accuracy; the command's wall time."""
+    metrics = os.path.join(work_dir, "accuracy_metrics.json")
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "gpupar", "--dataset=fashion_mnist", f"--data_dir={data_dir}",
+         f"--epochs={max_epochs}", f"--stop_at_accuracy={target}", f"--metrics_json={metrics}"],
+        capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"the accuracy run failed (status {done.returncode}):\n{done.stderr[-3000:]}")
+    with open(metrics) as f:
+        result = json.load(f)
+    return {"target": target, "seconds": seconds, "epochs": len(result["history"]),
+            "test_accuracy": result["test_accuracy"], "reached": result["test_accuracy"] >= target,
+            "training_seconds": result["total_seconds"]}
+
+
+def benchmark(args, rows: List[Configuration], say=print) -> dict:
+    """Starts a worker per configuration, runs the rounds, profiles, and returns the JSON-ready report."""
+    work_dir = tempfile.mkdtemp(prefix="gpupar-bench-")
+    workers, ready = [], {}
+    try:
+        for row in [Configuration("matmul", "matmul", 1), *rows]:
+            say(f"starting {row.key}")
+            worker = Worker(row, {"data_dir": args.data_dir, "batch_size": args.batch_size, "steps": timed_steps(
+                row, args.steps), "runner": row.runner, "replicas": row.replicas, "options": dict(row.options)},
+                work_dir)
+            workers.append(worker)
+            ready[row.key] = worker.read()  # one at a time: set-up times undisturbed
+        runs = {w.configuration.key: [] for w in workers}
+        for round_ in range(args.repeats):
+            order = workers[round_ % len(workers):] + workers[:round_ % len(workers)]  # drift spreads over rows
+            for worker in order:
+                runs[worker.configuration.key].append(worker.ask("run"))
+            say(f"round {round_ + 1} of {args.repeats} done")
+        op_seconds = {}
+        for worker in workers:
+            row = worker.configuration
+            if row.name == GPUPAR and row.replicas in (1, 2):
+                profile_dir = os.path.join(work_dir, f"profile_x{row.replicas}")
+                op_seconds[str(row.replicas)] = worker.ask(f"profile {profile_dir}")["op_seconds"]
+        memory = {w.configuration.key: w.ask("quit")["peak_memory"] for w in workers}
+    finally:
+        for worker in workers:
+            worker.stop()
+    matmul_runs = runs.pop("matmul x1")
+    matmul = {k: statistics.median(r[k] for r in matmul_runs) for k in ("float32_flops", "bfloat16_flops")}
     report = {
-        "machine": {
-            "nproc": len(os.sched_getaffinity(0)),
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "tensorflow": tf.__version__,
-            "keras": keras.__version__,
-        },
-        "data_dir": data_dir,
-        "batch_size": batch_size,
-        "steps": steps,
-        "repeats": repeats,
-        "strategies": {},
-        "configurations": [],
-        "ratios": {},
+        "machine": {"cores": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
+                    "cpu": _cpu_name(), "platform": sys.platform, "python": sys.version.split()[0]},
+        "data_dir": args.data_dir, "batch_size": args.batch_size, "steps": args.steps, "repeats": args.repeats,
+        "flops_per_image": ready["matmul x1"]["flops_per_image"], "matmul": matmul,
+        "configurations": summarise(rows, ready, runs, memory, matmul, ready["matmul x1"]["flops_per_image"]),
+        "op_seconds": op_seconds,
     }
-    for replicas in REPLICAS:
-        results, plan = bench_strategy(replicas, splits, batch_size, steps, repeats)
-        report["strategies"][str(replicas)] = plan.describe()
-        for name, values in results.items():
-            k = 1 if name == FIT else int(name.split("=")[1])
-            report["configurations"].append({
-                "name": name,
-                "replicas": replicas,
-                "global_batch": batch_size * replicas,
-                "steps": steps if name == FIT else math.ceil(steps / k) * k,
-                "images_per_second": values,
-                **summarise(values),
-            })
-        fit_median = statistics.median(results[FIT])
-        report["ratios"][str(replicas)] = {
-            gpupar_name(k): statistics.median(results[gpupar_name(k)]) / fit_median for k in STEPS_PER_CALL
-        }
+    if args.accuracy_target:
+        say(f"training gpupar's default configuration to {args.accuracy_target} test accuracy")
+        report["time_to_accuracy"] = time_to_accuracy(args.data_dir, args.accuracy_target, args.accuracy_epochs,
+                                                      work_dir)
     return report
 
 
-def main(argv):
-    """Checks the flags, configures 2 virtual CPUs, benchmarks, prints the table and writes JSON."""
-    if len(argv) > 1:
-        print(f"gpupar.bench: error: unexpected argument(s) {' '.join(argv[1:])}", file=sys.stderr)
-        return 2
-    if not FLAGS["verbosity"].present:
-        absl_logging.set_verbosity(absl_logging.WARNING)
-    data_dir = FLAGS.data_dir or DEFAULT_DATA_DIR
-    if not os.path.isdir(data_dir):
-        where = f"--data_dir={data_dir} is not a folder" if FLAGS.data_dir else f"no Fashion-MNIST at {data_dir}"
-        print(
-            f"gpupar.bench: error: {where}; pass --data_dir=DIR, a folder with the four IDX files "
-            "(Debian: apt-get install dataset-fashion-mnist)",
-            file=sys.stderr,
-        )
-        return 2
+def _cpu_name() -> str:
     try:
-        configure_devices(Config(virtual_cpus=max(REPLICAS)))
-        started = time.perf_counter()
-        report = benchmark(data_dir, FLAGS.batch_size, FLAGS.steps, FLAGS.repeats)
-    except GpuparError as e:
-        print(f"gpupar.bench: error: {e}", file=sys.stderr)
-        return 1
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def parse_args(argv: List[str]):
+    parser = argparse.ArgumentParser(prog="gpupar bench", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    parser.add_argument("--data_dir", default=DEFAULT_DATA_DIR, help=f"Fashion-MNIST IDX folder ({DEFAULT_DATA_DIR})")
+    parser.add_argument("--json", default="runs/bench.json", help="write the report here (runs/bench.json)")
+    parser.add_argument("--plot", default="runs/bench.png", help="write the images/s plot here, '' for none")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration and round (20)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds over all configurations (5)")
+    parser.add_argument("--batch_size", type=int, default=1024, help="examples per replica per step (1024)")
+    parser.add_argument("--replicas", default="1,2,4", help="replica counts, e.g. 1,2 (1,2,4)")
+    parser.add_argument("--only", default="", help="only configurations whose name matches this regex")
+    parser.add_argument("--accuracy_target", type=float, default=0.89,
+                        help="train gpupar's default to this test accuracy and time it; 0 skips (0.89)")
+    parser.add_argument("--accuracy_epochs", type=int, default=20, help="epochs the accuracy run may take (20)")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.data_dir):
+        parser.error(f"--data_dir={args.data_dir} is not a folder; pass the folder with the four Fashion-MNIST "
+                     "IDX files (Debian: apt-get install dataset-fashion-mnist)")
+    for name in ("steps", "repeats", "batch_size", "accuracy_epochs"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}={getattr(args, name)}: must be at least 1")
+    if not 0 <= args.accuracy_target <= 1:
+        parser.error(f"--accuracy_target={args.accuracy_target}: an accuracy in [0, 1], 0 to skip")
+    try:
+        args.replicas = tuple(sorted({int(r) for r in args.replicas.split(",")}))
+    except ValueError:
+        parser.error(f"--replicas={args.replicas}: give replica counts like 1,2,4")
+    if not args.replicas or min(args.replicas) < 1:
+        parser.error(f"--replicas={args.replicas}: counts must be at least 1")
+    try:
+        args.only = re.compile(args.only)
+    except re.error as e:
+        parser.error(f"--only={args.only!r} is not a regular expression ({e})")
+    return args
+
+
+def main(argv: List[str]) -> int:
+    """`gpupar bench [flags]`: runs the benchmark, prints the table, writes JSON and the plot."""
+    args = parse_args(argv)
+    rows = [row for row in configurations(args.replicas, gpu=_has_gpu()) if args.only.search(row.name)]
+    if not rows:
+        print(f"gpupar bench: error: no configuration matches --only={args.only.pattern!r}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    report = benchmark(args, rows, say=lambda message: print(f"[bench] {message}", flush=True))
     report["seconds"] = time.perf_counter() - started
     print(table(report))
-    if FLAGS.json:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
-        with open(FLAGS.json, "w") as f:
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-        print(f"wrote {FLAGS.json} ({report['seconds']:.0f} s)")
+        print(f"wrote {args.json}")
+    if args.plot:
+        try:
+            plot(report, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError:
+            print("no plot: matplotlib is missing (pip install 'gpupar[plot]')")
+    print(f"({report['seconds']:.0f} s)")
     return 0
 
 
-def _main_and_exit(argv):
-    exit_without_teardown(main(argv))
-
-
-def run():
-    """Defines the flags and runs the benchmark."""
-    define_flags()
-    app.run(_main_and_exit)
+def _has_gpu() -> bool:
+    """Whether NVIDIA's driver lists a GPU, asked without starting TensorFlow in this process."""
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 if __name__ == "__main__":
-    run()
+    sys.exit(main(sys.argv[1:]))

@@ -5,6 +5,7 @@
     gpupar plot runs/m/metrics.json -o curves.png               # curves from --metrics_json
     gpupar diagnose --augment --augment_on=host [--json]        # input-bound or step-bound?
     gpupar launch --workers=2 [--ps=1] -- --epochs=2 ...        # a loopback cluster (gpupar/launch.py)
+    gpupar bench [--replicas=1,2,4] [--repeats=5]               # speed against model.fit (gpupar/bench.py)
     gpupar --strategy=mirrored --virtual_cpus=2 --dataset=fashion_mnist \
         --data_dir=/usr/share/datasets/fashion-mnist --model_dir=runs/m --resume
     python -m gpupar --helpfull
@@ -119,7 +120,7 @@ def main(argv):
         return _plot(args)
     if command is not None and command not in COMMANDS:
         return _error(
-            f"unexpected argument {command!r}; commands are {', '.join(COMMANDS)} (or none, to train), "
+            f"unexpected argument {command!r}; commands are {', '.join(COMMANDS)}, launch, bench (or none, to train), "
             "and flags look like --epochs=5", 2)
     if args:
         return _error(f"unexpected argument(s) {' '.join(args)} after {command}", 2)
@@ -154,4 +155,8 @@ def run():
         from gpupar import launch
 
         sys.exit(launch.main(sys.argv[2:]))
+    if sys.argv[1:2] == ["bench"]:  # its own arguments: it runs gpupar in processes of its own
+        from gpupar import bench
+
+        sys.exit(bench.main(sys.argv[2:]))
     app.run(_main_and_exit)

@@ -1,42 +1,72 @@
-"""The benchmark in quick mode, as a fresh process on a small synthetic IDX folder."""
+"""`gpupar bench` in quick mode, as fresh processes on a small synthetic IDX folder; its pure parts."""
 
 import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import make_idx_dir
+from gpupar import bench
 
 
-def test_quick_benchmark_writes_every_configuration(tmp_path):
+def test_configurations_cover_fit_default_and_tuned_and_each_option_alone():
+    rows = {row.key: row for row in bench.configurations((1, 2, 4))}
+    for replicas in (1, 2, 4):
+        assert {f"gpupar x{replicas}", f"model.fit x{replicas}", f"model.fit steps_per_execution=10 x{replicas}"} <= set(rows)
+    assert dict(rows["gpupar jit_compile x1"].options) == {"jit_compile": True}
+    assert dict(rows["gpupar mixed_bfloat16 x1"].options) == {"precision": "mixed_bfloat16"}
+    assert dict(rows["gpupar steps_per_call=1 x1"].options) == {"steps_per_call": 1}
+    assert dict(rows["gpupar TensorFlow's threads x2"].options) == {"intra_op_threads": 0, "inter_op_threads": 0}
+    assert "gpupar mixed_float16 x1" in {row.key for row in bench.configurations((1,), gpu=True)}
+    assert bench.timed_steps(rows["model.fit steps_per_execution=10 x1"], 12) == 20
+    assert bench.timed_steps(rows["gpupar x1"], 12) == 12
+
+
+def test_ratios_are_paired_within_rounds():
+    # Round 2 ran on a machine twice as slow: per-round ratios still say 1.5x.
+    assert bench._paired_ratio([150, 75, 150], [100, 50, 100]) == pytest.approx(1.5)
+
+
+def test_quick_benchmark_writes_the_table_json_and_plot(tmp_path):
     folder = make_idx_dir(tmp_path / "data")
-    out = tmp_path / "b.json"
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
     done = subprocess.run(
-        [sys.executable, "-m", "gpupar.bench", "--data_dir", folder, "--json", str(out),
-         "--steps=2", "--repeats=1", "--batch_size=16"],
+        [sys.executable, "-m", "gpupar", "bench", f"--data_dir={folder}", f"--json={out}", f"--plot={png}",
+         "--replicas=1,2", "--only=^(gpupar|model.fit)$", "--steps=2", "--repeats=2", "--batch_size=16",
+         "--accuracy_target=0"],
         capture_output=True, text=True, timeout=600,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = {(row["name"], row["replicas"]): row for row in report["configurations"]}
-    expected = {(name, replicas) for name in ("gpupar K=1", "gpupar K=10", "model.fit") for replicas in (1, 2)}
-    assert set(rows) == expected
+    assert set(rows) == {(name, r) for name in ("gpupar", "model.fit") for r in (1, 2)}
     for (name, replicas), row in rows.items():
-        assert row["global_batch"] == 16 * replicas
-        assert len(row["images_per_second"]) == 1
-        assert all(value > 0 for value in row["images_per_second"])
-    assert report["batch_size"] == 16 and report["steps"] == 2 and report["repeats"] == 1
-    assert {"nproc", "tensorflow", "keras"} <= set(report["machine"])
+        assert len(row["images_per_second"]) == 2 and row["min"] <= row["median"] <= row["max"]
+        assert 0 < row["roofline_fraction"] < 1 and row["first_step_seconds"] > 0
+        assert row["peak_memory"]["host_mb"] > 100
+    assert rows[("gpupar", 1)]["vs_model_fit"] > 0 and rows[("gpupar", 2)]["vs_one_replica"] > 0
+    assert "MirroredStrategy" in rows[("gpupar", 2)]["strategy"] and rows[("gpupar", 1)]["steps_per_call"] == 10
+    shares = rows[("gpupar", 1)]["time_shares"]
+    assert set(shares) == {"input_wait", "step", "host"} and sum(shares.values()) == pytest.approx(1)
+    assert report["op_seconds"]["1"]["convolution"] > 0 and report["op_seconds"]["2"]["all-reduce"] > 0
+    assert 2e6 < report["flops_per_image"] < 4e6 and report["matmul"]["float32_flops"] > 1e9
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "roofline: 2.95 MFLOP per image" in done.stdout and "where the time goes" in done.stdout
 
-    assert "gpupar/model.fit (median), 1 replica:" in done.stdout
-    assert "gpupar/model.fit (median), 2 replicas:" in done.stdout
-    assert "OneDeviceStrategy" in done.stdout and "MirroredStrategy" in done.stdout
+
+def test_time_to_accuracy_stops_at_the_target(tmp_path):
+    folder = make_idx_dir(tmp_path / "data", num_train=2048, num_test=100)
+    result = bench.time_to_accuracy(folder, target=0.05, max_epochs=3, work_dir=str(tmp_path))
+    assert result["reached"] and result["epochs"] == 1 and result["test_accuracy"] >= 0.05
+    assert result["seconds"] > result["training_seconds"] > 0
 
 
-def test_missing_data_dir_is_a_clear_error(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "gpupar.bench", "--data_dir", str(tmp_path / "nothing"), "--json", str(tmp_path / "b.json")],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert done.returncode == 2
-    assert "gpupar.bench: error:" in done.stderr and "pass --data_dir" in done.stderr
+@pytest.mark.parametrize("flag, message", [
+    ("--data_dir=/nonexistent", "is not a folder"), ("--replicas=1,x", "give replica counts"),
+    ("--steps=0", "must be at least 1"), ("--only=(", "not a regular expression"),
+    ("--accuracy_target=2", "an accuracy in [0, 1]"),
+])
+def test_bad_flags_fail_before_any_work(flag, message):
+    done = subprocess.run([sys.executable, "-m", "gpupar", "bench", flag], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr

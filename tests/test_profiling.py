@@ -1,10 +1,12 @@
-"""The profile window: calls cut at its edges, and a real capture of the chosen steps."""
+"""The profile window: calls cut at its edges, a real capture of the chosen steps, and its op time by kind."""
 
 import glob
 import os
 
 import gpupar
-from gpupar.profiling import ProfileWindow
+import pytest
+
+from gpupar.profiling import ProfileWindow, op_seconds
 
 
 def test_calls_are_cut_at_the_window_edges():
@@ -21,3 +23,12 @@ def test_profile_of_chosen_steps_lands_in_log_dir(shared_idx_dir, tmp_path, caps
                      profile_steps="2,3")
     assert "profiled steps 2..3 of this run into" in capsys.readouterr().out
     assert glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.xplane.pb"))
+    # The profile's op time by kind: the ConvNet's convolutions, its XLA batch norm, the input.
+    seconds = op_seconds(log_dir)
+    assert seconds["convolution"] > 0 and seconds["XLA kernels (batch norm)"] > 0 and seconds["pooling"] > 0
+    assert "all-reduce" not in seconds  # one replica
+
+
+def test_op_seconds_without_a_profile_names_the_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        op_seconds(str(tmp_path))

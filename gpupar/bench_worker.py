@@ -1,0 +1,202 @@
+"""One benchmark configuration in a process of its own, timed when gpupar.bench says so.
+
+    python -m gpupar.bench_worker '{"runner": "gpupar", "replicas": 2, "options": {}, "data_dir": "...",
+                                    "batch_size": 1024, "steps": 20}'
+
+Thread pools, virtual CPUs and dtype policies are fixed once TensorFlow starts, so every
+configuration gets a process. It sets up, runs one untimed call and prints a `BENCH {...}` line
+(seconds from process start to the end of the first step, the strategy); then for each line on
+stdin: `run` times `steps` steps and prints their images/s (and, for gpupar, the seconds spent
+waiting for input, in the steps and on the host); `profile DIR` (gpupar only) does the same under
+the TensorBoard profiler and adds the op time by kind; `quit` prints the peak memory and exits.
+
+Runners: `gpupar` (gpupar's loop with Config options), `fit` (Keras model.fit on the same
+model, data and strategy; options: steps_per_execution, gpupar_threads) and `matmul` (the
+float32 and bfloat16 matrix-multiply rates, for the roofline).
+"""
+
+import json
+import os
+import resource
+import sys
+import time
+
+STARTED = time.perf_counter()
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def say(**values):
+    """One result line for the driver."""
+    print("BENCH " + json.dumps(values), flush=True)
+
+
+def commands():
+    """The driver's commands, one per stdin line, until `quit`."""
+    for line in sys.stdin:
+        command = line.split()
+        if not command or command[0] == "quit":
+            return
+        yield command
+
+
+def peak_memory_mb() -> dict:
+    """Peak resident host memory of this process, and of GPU:0 where there is one."""
+    import tensorflow as tf
+
+    peak = {"host_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if tf.config.list_logical_devices("GPU"):
+        peak["gpu_mb"] = tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
+    return peak
+
+
+def _profiled(directory, run):
+    import tensorflow as tf
+
+    tf.profiler.experimental.start(directory)
+    try:
+        return run()
+    finally:
+        tf.profiler.experimental.stop()
+
+
+def serve(run_steps, steps, on_profile=None):
+    """Answers the driver's commands with run_steps(steps) -> dict of results."""
+    for command in commands():
+        if command[0] == "run":
+            say(**run_steps(steps))
+        elif command[0] == "profile":
+            results = _profiled(command[1], lambda: run_steps(steps))
+            say(**results, **(on_profile(command[1]) if on_profile else {}))
+    say(peak_memory=peak_memory_mb())
+
+
+def gpupar_runner(spec):
+    """gpupar's own loop, set up as gpupar.fit_mnist would: calls of steps_in_a_call steps."""
+    import tensorflow as tf
+
+    from gpupar.assembly import assemble, train_iterator
+    from gpupar.config import Config
+    from gpupar.profiling import op_seconds
+    from gpupar.train import assembled_train_function
+
+    replicas = spec["replicas"]
+    config = Config(dataset="fashion_mnist", data_dir=spec["data_dir"], batch_size=spec["batch_size"],
+                    virtual_cpus=replicas if replicas > 1 else None, **spec["options"])
+    run = assemble(config)
+    if run.plan.num_replicas != replicas:
+        raise SystemExit(f"bench_worker: asked for {replicas} replicas, got {run.plan.describe()}")
+    train, iterator = assembled_train_function(run), train_iterator(config, run)
+    per_call = config.steps_in_a_call(run.steps_per_epoch)
+
+    def calls(steps, first=False):
+        """Runs steps in calls of per_call, reading each call's results as the loop does."""
+        waited = busy = 0.0
+        done = 0
+        while done < steps:
+            num = min(per_call, steps - done)
+            loss, correct, wait, step = (float(t) for t in train(iterator, tf.constant(num), tf.constant(first)))
+            waited, busy, done = waited + wait, busy + step, done + num
+        return waited, busy
+
+    calls(1, first=True)
+    say(first_step_seconds=time.perf_counter() - STARTED, strategy=run.plan.describe().split(";")[0],
+        steps_per_call=per_call)
+    calls(per_call)  # a full-size call, untimed
+
+    def timed(steps):
+        started = time.perf_counter()
+        waited, busy = calls(steps)
+        seconds = time.perf_counter() - started
+        return {"images_per_second": steps * run.global_batch / seconds, "input_wait_seconds": waited,
+                "step_seconds": busy, "host_seconds": seconds - waited - busy, "seconds": seconds}
+
+    serve(timed, spec["steps"], on_profile=lambda directory: {"op_seconds": op_seconds(directory)})
+
+
+def fit_runner(spec):
+    """Keras model.fit on gpupar's model, pipeline and strategy: one fit call, an epoch per timed run."""
+    import keras
+    import tensorflow as tf
+
+    from gpupar import data
+    from gpupar.devices import plan_threads
+    from gpupar.idx import load_idx_dir
+    from gpupar.model import build_convnet
+    from gpupar.strategy import build_strategy, detected_plan
+
+    replicas, options = spec["replicas"], spec["options"]
+    if options.get("gpupar_threads"):
+        intra, inter = plan_threads(len(os.sched_getaffinity(0)), 0, replicas)
+        tf.config.threading.set_intra_op_parallelism_threads(intra)
+        tf.config.threading.set_inter_op_parallelism_threads(inter)
+    if replicas > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
+    plan = detected_plan("auto", max_cpus=replicas)
+    strategy = build_strategy(plan)
+    splits = load_idx_dir(spec["data_dir"])
+    global_batch = spec["batch_size"] * replicas
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = build_convnet()
+        model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                      steps_per_execution=options.get("steps_per_execution", 1))
+
+    class Driven(keras.callbacks.Callback):
+        """Epoch 0 warms up; every later epoch is one timed run, started by the driver's command."""
+
+        def __init__(self):
+            super().__init__()
+            self.commands, self.first = commands(), True
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.first:
+                say(first_step_seconds=time.perf_counter() - STARTED, strategy=plan.describe().split(";")[0],
+                    steps_per_call=options.get("steps_per_execution", 1))
+                self.first = False
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch > 0:
+                command = next(self.commands, None)
+                if command is None:
+                    say(peak_memory=peak_memory_mb())
+                    sys.stdout.flush()
+                    os._exit(0)  # leaves fit (and its iterator) without waiting for its teardown
+            self.started = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):  # Keras has waited for the device by now
+            seconds = time.perf_counter() - self.started
+            if epoch > 0:
+                say(images_per_second=spec["steps"] * global_batch / seconds, seconds=seconds)
+
+    dataset = data.train_dataset(splits.train_images, splits.train_labels, global_batch, 0)
+    model.fit(dataset, epochs=10**9, steps_per_epoch=spec["steps"], callbacks=[Driven()], verbose=0)
+
+
+def matmul_runner(spec):
+    """The float32 and bfloat16 matrix-multiply rates, measured again at every run, and the ConvNet's FLOPs."""
+    import tensorflow as tf
+
+    from gpupar.model import build_convnet
+    from gpupar.roofline import matmul_flops_per_second, training_flops_per_example
+
+    say(first_step_seconds=time.perf_counter() - STARTED, strategy="matmul 2048x2048", steps_per_call=1,
+        flops_per_image=training_flops_per_example(build_convnet()))
+    serve(lambda _: {"float32_flops": matmul_flops_per_second(tf.float32),
+                     "bfloat16_flops": matmul_flops_per_second(tf.bfloat16)}, spec["steps"])
+
+
+RUNNERS = {"gpupar": gpupar_runner, "fit": fit_runner, "matmul": matmul_runner}
+
+
+def main(argv):
+    spec = json.loads(argv[1])
+    from gpupar.teardown import exit_without_teardown
+
+    RUNNERS[spec["runner"]](spec)
+    exit_without_teardown(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
