@@ -133,7 +133,7 @@ class _Epochs:
 
         def collect(oldest):
             num_steps, remote = oldest
-            loss, correct, worker = remote.fetch()
+            loss, correct, worker = _fetch(self.coordinator, remote)
             totals["loss"] += float(loss)
             totals["correct"] += float(correct)
             totals["steps"] += num_steps
@@ -198,6 +198,27 @@ class _Epochs:
                          record.test_accuracy, self.config.stop_at_accuracy)
                 break
         return history
+
+
+def _fetch(coordinator, remote):
+    """remote.fetch() of a scheduled step, also when the step's worker fails meanwhile.
+
+    TF marks a step's RemoteValue ready once the step's call has returned on the coordinator,
+    when its outputs may still be the worker's to produce; the worker's thread then copies them
+    to the coordinator under its failure handling, which schedules the step again if the worker
+    died. A fetch() from here can take that copy over first, and then raises the dead worker's
+    error (UnavailableError: Socket closed) itself, outside that handling, although TF re-runs
+    the step. join() waits until every scheduled step has finished, re-runs included, and raises
+    the error of a step that really failed; the step's outputs are then on the coordinator and
+    the second fetch() returns them.
+    """
+    try:
+        return remote.fetch()
+    except tf.errors.OpError as e:
+        log.warning("a step's worker failed while its result was fetched (%s); waiting for the re-run",
+                    type(e).__name__)
+        coordinator.join()
+        return remote.fetch()
 
 
 def _updates(updates) -> str:

@@ -116,10 +116,20 @@ def test_sigterm_to_one_worker_stops_all_after_the_same_step_with_a_checkpoint(t
         launch.kill_all()
     launch.assert_no_strays()
     assert status == 143, launch.output[-3000:]
-    saved = {task: int(step) for task, step in re.findall(
-        r"\[(worker:\d)\] gpupar: interrupted by SIGTERM \(saved \S+/within_epoch/step-(\d+);", launch.output)}
-    assert set(saved) == {"worker:0", "worker:1"} and saved["worker:0"] == saved["worker:1"]
-    assert tf.train.latest_checkpoint(str(model_dir / "within_epoch")).endswith(f"step-{saved['worker:0']}")
+    # The workers agree to stop at their next common check: within an epoch (a step checkpoint,
+    # within_epoch/step-<global step>) or, when the signal lands while they finish an epoch, at
+    # its end (that epoch's ckpt-<epochs>). Either way both save the same one: the chief into
+    # model_dir, worker:1 into its scratch folder.
+    saved = dict(re.findall(r"\[(worker:\d)\] gpupar: interrupted by SIGTERM \(saved (\S+);", launch.output))
+    assert set(saved) == {"worker:0", "worker:1"}, launch.output[-3000:]
+    name = re.fullmatch(rf"{re.escape(str(model_dir))}/(ckpt-\d+|within_epoch/step-\d+)", saved["worker:0"])
+    assert name, saved
+    assert saved["worker:1"] == str(model_dir / ".scratch-worker-1" / name[1])
+    # It is the newest checkpoint on disk, and it is past the epoch that had ended before the signal.
+    assert tf.train.latest_checkpoint(os.path.dirname(saved["worker:0"])) == saved["worker:0"]
+    reader = tf.train.load_checkpoint(saved["worker:0"])
+    position = tuple(int(reader.get_tensor(f"{n}/.ATTRIBUTES/VARIABLE_VALUE")) for n in ("epoch", "step"))
+    assert _checkpoint_position(str(model_dir)) == position >= (1, 0)
     assert not os.path.exists(model_dir / ".scratch-worker-1")
 
 

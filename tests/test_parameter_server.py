@@ -49,8 +49,14 @@ def test_two_workers_and_a_ps_train_the_convnet_well_above_chance(ps_data, tmp_p
     assert files == ["ckpt-1.index", "ckpt-2.index", "ckpt-3.index"]
 
 
+def _chief_lines(output):
+    """The chief's own lines, without the gRPC complaints about the dead worker that bury its error."""
+    return "".join(line for line in output.splitlines(keepends=True) if line.startswith("[chief:0]") and not any(
+        noise in line for noise in ("GRPC error information", "Error received from peer", "disconnected from the client",
+                                    "Connection refused", "Failed to remove function remotely")))
+
+
 @pytest.mark.slow
-@pytest.mark.flaky  # about 1 run in 4 here the chief exits 1 after the kill; the cause is not found yet
 def test_coordinator_survives_a_worker_killed_and_restarted(ps_data, tmp_path):
     launch = Launch(["--workers=2", "--ps=1", "--restarts=1"], _flags(ps_data, tmp_path, epochs=4))
     try:
@@ -60,7 +66,7 @@ def test_coordinator_survives_a_worker_killed_and_restarted(ps_data, tmp_path):
         status = launch.finish(timeout=240)
     finally:
         launch.kill_all()
-    assert status == 0, launch.output[-3000:]
+    assert status == 0, _chief_lines(launch.output)[-6000:]
     launch.assert_no_strays()
     assert "worker:1 ended with status -9; restarting it" in launch.output
     assert len(task_pids(launch.output)["worker:1"]) == 2  # started again
