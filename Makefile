@@ -30,7 +30,7 @@ test: venv data
 	$(VENV)/bin/python -m pytest -q
 
 test-fast: venv data
-	$(VENV)/bin/python -m pytest -q -m "not slow and not flaky"
+	$(VENV)/bin/python -m pytest -q -m "not slow"
 
 bench: venv data
 	$(VENV)/bin/gpupar bench --data_dir=$(DATA_DIR)

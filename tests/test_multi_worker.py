@@ -107,7 +107,7 @@ def test_sigterm_to_one_worker_stops_all_after_the_same_step_with_a_checkpoint(t
     model_dir = tmp_path / "model"
     launch = Launch(["--workers=2"], [
         "--strategy=multi_worker_mirrored", f"--data_dir={data_dir}", "--epochs=20", "--batch_size=16",
-        "--display_step=1000", f"--model_dir={model_dir}"])
+        "--display_step=1000", "--steps_per_call=1", f"--model_dir={model_dir}"])  # a check after every step
     try:
         launch.wait_for(r"\[worker:0\] Epoch:\[0\] train loss", timeout=120)
         os.kill(launch.task_pids()["worker:1"][0], signal.SIGTERM)  # as a scheduler preempting one machine
