@@ -76,8 +76,10 @@ def steps_in_one_call(batch_step, timed=False):
         began = tf.timestamp()
         waited = tf.constant(0.0, tf.float64)
         for i in tf.range(num_steps):
-            # The loop runs one step after another, so a step asks for its batch once the one
-            # before it has finished, update included.
+            # One iteration at a time, so a step asks for its batch once the one before it has
+            # finished, update included. The while loop would otherwise start the next iteration's
+            # ops early, and the rest of a step on another replica would count as waiting.
+            tf.autograph.experimental.set_loop_options(parallel_iterations=1)
             with tf.control_dependencies([waited]):
                 asked = tf.timestamp()
             with tf.control_dependencies([asked]):

@@ -119,3 +119,10 @@ def test_slow_input_shows_as_waiting():
         lambda x: tf.numpy_function(slow, [x], tf.float32, stateful=False))
     waited, busy, wall = _timed_call(iter(dataset), lambda batch: (tf.reduce_sum(batch), tf.constant(0.0)), 10)
     assert waited > 0.8 * (waited + busy) and waited + busy <= 1.01 * wall
+
+
+def test_two_replicas_on_an_in_memory_pipeline_are_not_input_bound(idx_dir):
+    # The loop's steps must not overlap: a step that asked for its batch while the one before was
+    # still computing would count that computing as waiting (it did: 50% "wait" with 2 replicas).
+    result = _fit(idx_dir, strategy="mirrored", virtual_cpus=2, batch_size=64, epochs=2)
+    assert result.history[-1].input_wait_fraction < bottleneck.INPUT_BOUND
