@@ -60,7 +60,8 @@ def configurations(replicas=(1, 2, 4), gpu: bool = False) -> List[Configuration]
     Options are each turned on (or gpupar's own choice off) alone, against the default: at 1
     replica steps_per_call=1 (gpupar picks display_step), jit_compile and the machine's mixed
     precision; with several replicas, TensorFlow's thread pools instead of gpupar's, for gpupar
-    and for model.fit.
+    and for model.fit. One more model.fit row runs the ConvNet with Keras' own batch norm layer:
+    what plain Keras code gets.
     """
     rows = []
     for r in replicas:
@@ -69,7 +70,8 @@ def configurations(replicas=(1, 2, 4), gpu: bool = False) -> List[Configuration]
                                (("steps_per_execution", TUNED_STEPS_PER_EXECUTION),))]
     if 1 in replicas:
         mixed = "mixed_float16" if gpu else "mixed_bfloat16"
-        rows += [Configuration(f"{GPUPAR} steps_per_call=1", "gpupar", 1, (("steps_per_call", 1),)),
+        rows += [Configuration(f"{FIT}, Keras' BatchNormalization", "fit", 1, (("keras_batch_norm", True),)),
+                 Configuration(f"{GPUPAR} steps_per_call=1", "gpupar", 1, (("steps_per_call", 1),)),
                  Configuration(f"{GPUPAR} jit_compile", "gpupar", 1, (("jit_compile", True),)),
                  Configuration(f"{GPUPAR} {mixed}", "gpupar", 1, (("precision", mixed),))]
     several = [r for r in replicas if r > 1]
@@ -159,6 +161,19 @@ def summarise(rows: List[Configuration], ready: Dict[str, dict], runs: Dict[str,
     return records
 
 
+def headlines(runs: Dict[str, List[dict]]) -> Dict[str, float]:
+    """The ratios the speed targets are about, each the median of per-round ratios."""
+    rates = {key: [r["images_per_second"] for r in values] for key, values in runs.items()}
+    pairs = {
+        "gpupar / model.fit, same model, 1 replica": ("gpupar x1", "model.fit x1"),
+        "gpupar / model.fit on Keras' BatchNormalization (plain Keras), 1 replica":
+            ("gpupar x1", "model.fit, Keras' BatchNormalization x1"),
+        "gpupar 2 replicas / 1 replica": ("gpupar x2", "gpupar x1"),
+        "gpupar 4 replicas / 1 replica": ("gpupar x4", "gpupar x1"),
+    }
+    return {text: _paired_ratio(rates[a], rates[b]) for text, (a, b) in pairs.items() if a in rates and b in rates}
+
+
 def table(report: dict) -> str:
     """The report as text: one row per configuration, then the roofline, profile and accuracy lines."""
     lines = [f"{'configuration':<34}{'replicas':>8}{'img/s median':>14}{'min-max':>17}{'vs fit':>8}"
@@ -171,6 +186,8 @@ def table(report: dict) -> str:
             f"{_times(r.get('vs_model_fit')):>8}{_times(r.get('vs_one_replica')):>9}"
             f"{_percent(r.get('roofline_fraction')):>9}{r['first_step_seconds']:>11.1f}"
             f"{'' if memory is None else f'{memory:,.0f}':>9}")
+    for text, ratio in report.get("headlines", {}).items():
+        lines.append(f"{text}: {ratio:.2f}x")
     if report.get("flops_per_image"):
         lines.append(f"roofline: {report['flops_per_image'] / 1e6:.2f} MFLOP per image (conv and dense, forward and "
                      f"backward) at the matmul rate, float32 {report['matmul']['float32_flops'] / 1e9:,.0f} GFLOP/s, "
@@ -281,6 +298,7 @@ def benchmark(args, rows: List[Configuration], say=print) -> dict:
         "flops_per_image": ready["matmul x1"]["flops_per_image"], "matmul": matmul,
         "configurations": summarise(rows, ready, runs, memory, matmul, ready["matmul x1"]["flops_per_image"]),
         "op_seconds": op_seconds,
+        "headlines": headlines(runs),
     }
     if args.accuracy_target:
         say(f"training gpupar's default configuration to {args.accuracy_target} test accuracy")

@@ -11,7 +11,8 @@ waiting for input, in the steps and on the host); `profile DIR` (gpupar only) do
 the TensorBoard profiler and adds the op time by kind; `quit` prints the peak memory and exits.
 
 Runners: `gpupar` (gpupar's loop with Config options), `fit` (Keras model.fit on the same
-model, data and strategy; options: steps_per_execution, gpupar_threads) and `matmul` (the
+model, data and strategy; options: steps_per_execution, gpupar_threads, keras_batch_norm: the
+ConvNet with Keras' own BatchNormalization, as plain Keras code has it) and `matmul` (the
 float32 and bfloat16 matrix-multiply rates, for the roofline).
 """
 
@@ -138,7 +139,7 @@ def fit_runner(spec):
     global_batch = spec["batch_size"] * replicas
     keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = build_convnet()
+        model = build_convnet(xla_batch_norm=not options.get("keras_batch_norm"))
         model.compile(optimizer=keras.optimizers.Adam(1e-3),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
                       steps_per_execution=options.get("steps_per_execution", 1))

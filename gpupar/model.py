@@ -104,12 +104,14 @@ class XlaBatchNormalization(keras.layers.BatchNormalization):
 
 
 def build_convnet(dropout: float = 0.5, sync_batch_norm: bool = False, l2: float = 5e-4, seed: int = 0,
-                  stage_devices: Optional[Sequence[str]] = None, dtype: Optional[str] = None):
+                  stage_devices: Optional[Sequence[str]] = None, dtype: Optional[str] = None,
+                  xla_batch_norm: bool = True):
     """The ConvNet: conv 6@5x5, conv 12@5x5, dense 100, each with batch norm, then 10 logits.
 
     Call it inside `strategy.scope()` so its variables are placed by the strategy (or pass
     stage_devices, two devices for the convolution and the dense stage, for model_parallel).
-    `dtype` is a Keras dtype policy such as "mixed_bfloat16" (None: float32).
+    `dtype` is a Keras dtype policy such as "mixed_bfloat16" (None: float32). xla_batch_norm=False
+    uses Keras' own BatchNormalization (same variables and results, slower on a CPU).
     """
     counter = iter(range(seed * 100, seed * 100 + 100))
 
@@ -117,7 +119,8 @@ def build_convnet(dropout: float = 0.5, sync_batch_norm: bool = False, l2: float
         return keras.initializers.TruncatedNormal(stddev=0.01, seed=next(counter))
 
     def batch_norm():
-        return XlaBatchNormalization(momentum=0.9, synchronized=sync_batch_norm, dtype=dtype)
+        layer = XlaBatchNormalization if xla_batch_norm else keras.layers.BatchNormalization
+        return layer(momentum=0.9, synchronized=sync_batch_norm, dtype=dtype)
 
     def conv(filters):
         return [

@@ -15,6 +15,7 @@ def test_configurations_cover_fit_default_and_tuned_and_each_option_alone():
     for replicas in (1, 2, 4):
         assert {f"gpupar x{replicas}", f"model.fit x{replicas}", f"model.fit steps_per_execution=10 x{replicas}"} <= set(rows)
     assert dict(rows["gpupar jit_compile x1"].options) == {"jit_compile": True}
+    assert dict(rows["model.fit, Keras' BatchNormalization x1"].options) == {"keras_batch_norm": True}
     assert dict(rows["gpupar mixed_bfloat16 x1"].options) == {"precision": "mixed_bfloat16"}
     assert dict(rows["gpupar steps_per_call=1 x1"].options) == {"steps_per_call": 1}
     assert dict(rows["gpupar TensorFlow's threads x2"].options) == {"intra_op_threads": 0, "inter_op_threads": 0}
@@ -53,6 +54,8 @@ def test_quick_benchmark_writes_the_table_json_and_plot(tmp_path):
     assert 2e6 < report["flops_per_image"] < 4e6 and report["matmul"]["float32_flops"] > 1e9
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "roofline: 2.95 MFLOP per image" in done.stdout and "where the time goes" in done.stdout
+    assert set(report["headlines"]) == {"gpupar / model.fit, same model, 1 replica", "gpupar 2 replicas / 1 replica"}
+    assert "gpupar 2 replicas / 1 replica: " in done.stdout
 
 
 def test_time_to_accuracy_stops_at_the_target(tmp_path):
