@@ -8,7 +8,7 @@ Every configuration runs in a process of its own (gpupar/bench_worker.py: thread
 CPUs and precision are fixed per process). They start one after another, so that set-up times
 are not disturbed; then in each round every process times `steps` steps in turn, so machine
 noise hits all of them alike. Per configuration it reports the median and spread of images/s,
-the ratio to model.fit with the same replicas (median of the per-round ratios), the fraction of
+the CPU cores it kept busy (CPU time over wall time, spinning threads included), the ratio to model.fit with the same replicas (median of the per-round ratios), the fraction of
 the roofline (conv and dense FLOPs at this machine's matrix-multiply rate), seconds to the first
 step and peak memory. For gpupar's default configuration it then shows where the time goes (input
 wait, step and host from in-graph timestamps; op time by kind from a TensorBoard profile) and,
@@ -143,7 +143,8 @@ def summarise(rows: List[Configuration], ready: Dict[str, dict], runs: Dict[str,
         record = {"name": row.name, "replicas": row.replicas, "options": dict(row.options),
                   "strategy": ready[key]["strategy"], "steps_per_call": ready[key]["steps_per_call"],
                   "images_per_second": rates[key], **_spread(rates[key]),
-                  "first_step_seconds": ready[key]["first_step_seconds"], "peak_memory": memory.get(key)}
+                  "first_step_seconds": ready[key]["first_step_seconds"], "peak_memory": memory.get(key),
+                  "cores_busy": statistics.median(r["cores_busy"] for r in runs[key])}
         fit = Configuration(FIT, "fit", row.replicas).key
         if fit in rates and key != fit:
             record["vs_model_fit"] = _paired_ratio(rates[key], rates[fit])
@@ -176,15 +177,15 @@ def headlines(runs: Dict[str, List[dict]]) -> Dict[str, float]:
 
 def table(report: dict) -> str:
     """The report as text: one row per configuration, then the roofline, profile and accuracy lines."""
-    lines = [f"{'configuration':<34}{'replicas':>8}{'img/s median':>14}{'min-max':>17}{'vs fit':>8}"
-             f"{'x1 repl.':>9}{'roofline':>9}{'1st step s':>11}{'peak MB':>9}"]
+    lines = [f"{'configuration':<38}{'replicas':>8}{'img/s median':>14}{'min-max':>17}{'vs fit':>8}"
+             f"{'x1 repl.':>9}{'roofline':>9}{'cores':>6}{'1st step s':>11}{'peak MB':>9}"]
     for r in report["configurations"]:
         memory = (r["peak_memory"] or {}).get("gpu_mb", (r["peak_memory"] or {}).get("host_mb"))
         spread = f"{r['min']:,.0f}-{r['max']:,.0f}"
         lines.append(
-            f"{r['name']:<34}{r['replicas']:>8}{r['median']:>14,.0f}{spread:>17}"
+            f"{r['name']:<38}{r['replicas']:>8}{r['median']:>14,.0f}{spread:>17}"
             f"{_times(r.get('vs_model_fit')):>8}{_times(r.get('vs_one_replica')):>9}"
-            f"{_percent(r.get('roofline_fraction')):>9}{r['first_step_seconds']:>11.1f}"
+            f"{_percent(r.get('roofline_fraction')):>9}{r['cores_busy']:>6.2f}{r['first_step_seconds']:>11.1f}"
             f"{'' if memory is None else f'{memory:,.0f}':>9}")
     for text, ratio in report.get("headlines", {}).items():
         lines.append(f"{text}: {ratio:.2f}x")

@@ -40,6 +40,12 @@ def commands():
         yield command
 
 
+def cpu_seconds() -> float:
+    """CPU time this process has used, all threads, user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def peak_memory_mb() -> dict:
     """Peak resident host memory of this process, and of GPU:0 where there is one."""
     import tensorflow as tf
@@ -105,11 +111,12 @@ def gpupar_runner(spec):
     calls(per_call)  # a full-size call, untimed
 
     def timed(steps):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), cpu_seconds()
         waited, busy = calls(steps)
         seconds = time.perf_counter() - started
         return {"images_per_second": steps * run.global_batch / seconds, "input_wait_seconds": waited,
-                "step_seconds": busy, "host_seconds": seconds - waited - busy, "seconds": seconds}
+                "step_seconds": busy, "host_seconds": seconds - waited - busy, "seconds": seconds,
+                "cores_busy": (cpu_seconds() - cpu) / seconds}
 
     serve(timed, spec["steps"], on_profile=lambda directory: {"op_seconds": op_seconds(directory)})
 
@@ -164,12 +171,13 @@ def fit_runner(spec):
                     say(peak_memory=peak_memory_mb())
                     sys.stdout.flush()
                     os._exit(0)  # leaves fit (and its iterator) without waiting for its teardown
-            self.started = time.perf_counter()
+            self.started, self.cpu = time.perf_counter(), cpu_seconds()
 
         def on_epoch_end(self, epoch, logs=None):  # Keras has waited for the device by now
             seconds = time.perf_counter() - self.started
             if epoch > 0:
-                say(images_per_second=spec["steps"] * global_batch / seconds, seconds=seconds)
+                say(images_per_second=spec["steps"] * global_batch / seconds, seconds=seconds,
+                    cores_busy=(cpu_seconds() - self.cpu) / seconds)
 
     dataset = data.train_dataset(splits.train_images, splits.train_labels, global_batch, 0)
     model.fit(dataset, epochs=10**9, steps_per_epoch=spec["steps"], callbacks=[Driven()], verbose=0)

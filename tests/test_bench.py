@@ -44,7 +44,7 @@ def test_quick_benchmark_writes_the_table_json_and_plot(tmp_path):
     assert set(rows) == {(name, r) for name in ("gpupar", "model.fit") for r in (1, 2)}
     for (name, replicas), row in rows.items():
         assert len(row["images_per_second"]) == 2 and row["min"] <= row["median"] <= row["max"]
-        assert 0 < row["roofline_fraction"] < 1 and row["first_step_seconds"] > 0
+        assert 0 < row["roofline_fraction"] < 1 and row["first_step_seconds"] > 0 and row["cores_busy"] > 0.1
         assert row["peak_memory"]["host_mb"] > 100
     assert rows[("gpupar", 1)]["vs_model_fit"] > 0 and rows[("gpupar", 2)]["vs_one_replica"] > 0
     assert "MirroredStrategy" in rows[("gpupar", 2)]["strategy"] and rows[("gpupar", 1)]["steps_per_call"] == 10
