@@ -61,6 +61,9 @@ def assemble(config: Config, cluster=None) -> Assembly:
     `cluster` (gpupar.cluster) makes it a multi-worker strategy, which must come before any op.
     """
     devices = configure_devices(config)
+    if devices.intra_op_threads or devices.inter_op_threads:
+        log.info("threads: %s per op, %s ops at once",
+                 *(n or "TensorFlow's default" for n in (devices.intra_op_threads, devices.inter_op_threads)))
     plan = detected_plan(config.strategy, config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1,
                          cluster=cluster)
     log.info(plan.describe())

@@ -197,9 +197,6 @@ def _apply_threads(tf, plan):
     except RuntimeError:
         log.info("TensorFlow had already started with %s intra-op and %s inter-op threads; keeping them",
                  *(n or "default" for n in current))
-        return
-    if any(wanted):
-        log.info("threads: %s per op, %s ops at once", *(n or "TensorFlow's default" for n in wanted))
 
 
 def _apply_runtime_settings(tf, plan, physical_gpus):

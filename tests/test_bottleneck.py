@@ -122,8 +122,9 @@ def test_slow_input_shows_as_waiting():
     assert waited > 0.8 * (waited + busy) and waited + busy <= 1.01 * wall
 
 
-def test_two_replicas_on_an_in_memory_pipeline_are_not_input_bound(idx_dir):
+def test_two_replicas_on_an_in_memory_pipeline_are_not_input_bound(tmp_path):
     # The loop's steps must not overlap: a step that asked for its batch while the one before was
     # still computing would count that computing as waiting (it did: 50% "wait" with 2 replicas).
-    result = _fit(idx_dir, strategy="mirrored", virtual_cpus=2, batch_size=64, epochs=2)
+    data = make_idx_dir(tmp_path / "data", num_train=4096)
+    result = _fit(data, strategy="mirrored", virtual_cpus=2, batch_size=256, epochs=2)
     assert result.history[-1].input_wait_fraction < bottleneck.INPUT_BOUND
