@@ -106,7 +106,7 @@ def gpupar_runner(spec):
         return waited, busy
 
     calls(1, first=True)
-    say(first_step_seconds=time.perf_counter() - STARTED, strategy=run.plan.describe().split(";")[0],
+    say(first_step_seconds=time.perf_counter() - STARTED, strategy=";".join(run.plan.describe().split(";")[:2]),
         steps_per_call=per_call)
     calls(per_call)  # a full-size call, untimed
 
@@ -160,7 +160,7 @@ def fit_runner(spec):
 
         def on_train_batch_end(self, batch, logs=None):
             if self.first:
-                say(first_step_seconds=time.perf_counter() - STARTED, strategy=plan.describe().split(";")[0],
+                say(first_step_seconds=time.perf_counter() - STARTED, strategy=";".join(plan.describe().split(";")[:2]),
                     steps_per_call=options.get("steps_per_execution", 1))
                 self.first = False
 
