@@ -21,7 +21,7 @@ def idx_dir(tmp_path_factory):
 
 
 def _slow_warp(image, transform):
-    time.sleep(0.001)  # 256 images: a quarter second per batch, far more than the step takes
+    time.sleep(0.004)  # 256 images: a second per batch (half that on two threads), far more than a step takes
     return image
 
 

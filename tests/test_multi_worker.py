@@ -69,7 +69,7 @@ def _checkpoint_position(model_dir):
 
 @pytest.mark.slow
 def test_a_worker_killed_mid_run_is_restarted_and_the_run_completes(tmp_path):
-    data_dir = make_idx_dir(tmp_path / "data", num_train=1024, num_test=100)
+    data_dir = make_idx_dir(tmp_path / "data", num_train=512, num_test=100)
     model_dir = tmp_path / "model"
     launch = Launch(["--workers=2", "--restarts=1"], [
         "--strategy=multi_worker_mirrored", f"--data_dir={data_dir}", "--epochs=5", "--batch_size=16",
