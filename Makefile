@@ -26,8 +26,8 @@ train: venv data
 		--model_dir=$(RUN_DIR) --resume --log_dir=$(RUN_DIR)/tensorboard \
 		--metrics_json=$(RUN_DIR)/metrics.json
 
-# Two pytest workers: most tests wait on processes they start or run on one thread (one worker
-# keeps about 1.1 of 2 cores busy); worksteal evens out the few long ones.
+# Two pytest workers: one kept about 1.1 of the 2 cores busy (measured); worksteal evens out the
+# few long tests.
 PYTEST := $(VENV)/bin/python -m pytest -q -n 2 --dist worksteal
 
 test: venv data

@@ -2,6 +2,7 @@
 
 import gzip
 import os
+import time
 
 import numpy as np
 import pytest
@@ -85,3 +86,16 @@ def pytest_unconfigure(config):
     from gpupar.teardown import exit_without_teardown
 
     exit_without_teardown(_exit_status)
+
+
+@pytest.fixture
+def slow_host_warp(monkeypatch):
+    """Host augmentation made slow: 4 ms per image, a second per 256-image batch (half that on two
+    threads), far more than a step takes even when another test shares the cores."""
+    from gpupar import augment
+
+    def warp(image, transform):
+        time.sleep(0.004)
+        return image
+
+    monkeypatch.setattr(augment, "warp_numpy", warp)

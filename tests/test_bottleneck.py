@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import gpupar
-from gpupar import augment, bottleneck
+from gpupar import bottleneck
 from gpupar.bottleneck import InputWait
 from gpupar.config import Config
 from conftest import make_idx_dir
@@ -44,10 +44,6 @@ def test_causes_name_the_setting_and_its_fix():
     assert close[0].startswith("the input pipeline alone is only 1.5x as fast as the step")
 
 
-def _slow_warp(image, transform):
-    time.sleep(0.004)  # 256 images: a second per batch (half that on two threads), far more than a step takes
-    return image
-
 
 def _fit(idx_dir, **options):
     defaults = dict(data_dir=idx_dir, epochs=1, batch_size=256, display_step=4, dropout=0.0,
@@ -55,8 +51,7 @@ def _fit(idx_dir, **options):
     return gpupar.fit_mnist(**{**defaults, **options})
 
 
-def test_host_augmentation_made_slow_is_reported_input_bound_in_the_first_epoch(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(augment, "warp_numpy", _slow_warp)
+def test_host_augmentation_made_slow_is_reported_input_bound_in_the_first_epoch(tmp_path, capsys, slow_host_warp):
     # 16 steps: more than the prefetch buffer fills while the step traces and compiles.
     result = _fit(make_idx_dir(tmp_path / "data", num_train=4096), augment=True, augment_on="host")
     out = capsys.readouterr().out

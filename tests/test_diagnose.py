@@ -4,12 +4,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from conftest import make_idx_dir
-from gpupar import augment
 from gpupar.config import Config
 from gpupar.diagnose import diagnose
 from gpupar.errors import GpuparError
@@ -20,17 +18,12 @@ def idx_dir(tmp_path_factory):
     return make_idx_dir(tmp_path_factory.mktemp("data"), num_train=2048, num_test=64)
 
 
-def _slow_warp(image, transform):
-    time.sleep(0.004)  # 256 images: a second per batch (half that on two threads), far more than a step takes
-    return image
-
 
 def _config(idx_dir, **options):
     return Config(data_dir=idx_dir, batch_size=256, strategy="one_device", dropout=0.0, **options)
 
 
-def test_slow_host_augmentation_is_input_bound(idx_dir, monkeypatch):
-    monkeypatch.setattr(augment, "warp_numpy", _slow_warp)
+def test_slow_host_augmentation_is_input_bound(idx_dir, slow_host_warp):
     report = diagnose(_config(idx_dir, augment=True, augment_on="host"), steps=4)
     assert report.input_bound and report.bound_by == "input pipeline"
     assert report.input_images_per_second < report.step_images_per_second
