@@ -1,15 +1,17 @@
 """`gpupar bench`: gpupar against Keras model.fit, and each speed option on and off, on this machine.
 
-    gpupar bench                                      # about 20 minutes on 2 cores
+    gpupar bench                                      # about 14 minutes on 2 cores
     python -m gpupar.bench --data_dir=/usr/share/datasets/fashion-mnist --json=runs/bench.json --plot=runs/bench.png
     gpupar bench --replicas=1 --only='^(gpupar|model.fit)$' --steps=2 --repeats=1 --batch_size=16 --accuracy_target=0
 
 Every configuration runs in a process of its own (gpupar/bench_worker.py: thread pools, virtual
 CPUs and precision are fixed per process). They start one after another, so that set-up times
 are not disturbed; then in each round every process times `steps` steps in turn, so machine
-noise hits all of them alike. Per configuration it reports the median and spread of images/s,
-the CPU cores it kept busy (CPU time over wall time, spinning threads included), the ratio to model.fit with the same replicas (median of the per-round ratios), the fraction of
-the roofline (conv and dense FLOPs at this machine's matrix-multiply rate), seconds to the first
+noise hits all of them alike. Besides gpupar and model.fit, the classic TF1 tower code
+(gpupar/towers.py) runs as the baseline multi-device code is usually measured against. Per
+configuration it reports the median and spread of images/s, the CPU cores it kept busy (CPU time
+over wall time, spinning threads included), the ratio to model.fit with the same replicas (median
+of the per-round ratios), the fraction of the roofline (conv and dense FLOPs at this machine's matrix-multiply rate), seconds to the first
 step and peak memory. For gpupar's default configuration it then shows where the time goes (input
 wait, step and host from in-graph timestamps; op time by kind from a TensorBoard profile) and,
 last, trains it to a test accuracy (`--accuracy_target`) and reports the time.
@@ -29,7 +31,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
-GPUPAR, FIT = "gpupar", "model.fit"
+GPUPAR, FIT, TOWERS = "gpupar", "model.fit", "TF1 tower code"
 TUNED_STEPS_PER_EXECUTION = 10  # as gpupar's calls: display_step steps
 
 
@@ -39,7 +41,7 @@ class Configuration:
 
     Attributes:
       name: What the row shows, e.g. "gpupar jit_compile".
-      runner: gpupar, fit or matmul (gpupar.bench_worker.RUNNERS).
+      runner: gpupar, fit, towers or matmul (gpupar.bench_worker.RUNNERS).
       replicas: Data-parallel replicas (virtual CPUs on a machine without GPUs).
       options: Config options (gpupar) or fit settings (steps_per_execution, gpupar_threads).
     """
@@ -55,7 +57,8 @@ class Configuration:
 
 
 def configurations(replicas=(1, 2, 4), gpu: bool = False) -> List[Configuration]:
-    """The rows: gpupar's default and model.fit (default and tuned) per replica count, then the options.
+    """The rows: gpupar's default, model.fit (default and tuned) and the TF1 tower code per replica count,
+    then the options.
 
     Options are each turned on (or gpupar's own choice off) alone, against the default: at 1
     replica steps_per_call=1 (gpupar picks display_step), jit_compile and the machine's mixed
@@ -67,7 +70,8 @@ def configurations(replicas=(1, 2, 4), gpu: bool = False) -> List[Configuration]
     for r in replicas:
         rows += [Configuration(GPUPAR, "gpupar", r), Configuration(FIT, "fit", r),
                  Configuration(f"{FIT} steps_per_execution={TUNED_STEPS_PER_EXECUTION}", "fit", r,
-                               (("steps_per_execution", TUNED_STEPS_PER_EXECUTION),))]
+                               (("steps_per_execution", TUNED_STEPS_PER_EXECUTION),)),
+                 Configuration(TOWERS, "towers", r)]
     if 1 in replicas:
         mixed = "mixed_float16" if gpu else "mixed_bfloat16"
         rows += [Configuration(f"{FIT}, Keras' BatchNormalization", "fit", 1, (("keras_batch_norm", True),)),
@@ -171,6 +175,9 @@ def headlines(runs: Dict[str, List[dict]]) -> Dict[str, float]:
             ("gpupar x1", "model.fit, Keras' BatchNormalization x1"),
         "gpupar 2 replicas / 1 replica": ("gpupar x2", "gpupar x1"),
         "gpupar 4 replicas / 1 replica": ("gpupar x4", "gpupar x1"),
+        "TF1 tower code 2 towers / 1 tower": (f"{TOWERS} x2", f"{TOWERS} x1"),
+        "gpupar / TF1 tower code, 1 replica": ("gpupar x1", f"{TOWERS} x1"),
+        "gpupar / TF1 tower code, 2 replicas": ("gpupar x2", f"{TOWERS} x2"),
     }
     return {text: _paired_ratio(rates[a], rates[b]) for text, (a, b) in pairs.items() if a in rates and b in rates}
 
@@ -230,7 +237,8 @@ def plot(report: dict, path: str):
     labels = [f"{r['name']}  x{r['replicas']}" for r in rows]
     medians = [r["median"] for r in rows]
     errors = [[r["median"] - r["min"] for r in rows], [r["max"] - r["median"] for r in rows]]
-    colours = ["tab:blue" if r["name"].startswith(GPUPAR) else "tab:orange" for r in rows]
+    colours = ["tab:blue" if r["name"].startswith(GPUPAR) else "tab:grey" if r["name"] == TOWERS else "tab:orange"
+               for r in rows]
     figure, axes = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
     axes.barh(range(len(rows)), medians, xerr=errors, color=colours, capsize=3)
     axes.set_yticks(range(len(rows)), labels)

@@ -12,7 +12,8 @@ the TensorBoard profiler and adds the op time by kind; `quit` prints the peak me
 
 Runners: `gpupar` (gpupar's loop with Config options), `fit` (Keras model.fit on the same
 model, data and strategy; options: steps_per_execution, gpupar_threads, keras_batch_norm: the
-ConvNet with Keras' own BatchNormalization, as plain Keras code has it) and `matmul` (the
+ConvNet with Keras' own BatchNormalization, as plain Keras code has it), `towers` (the classic
+TF1 tower code of gpupar.towers, a tower per replica) and `matmul` (the
 float32 and bfloat16 matrix-multiply rates, for the roofline).
 """
 
@@ -196,7 +197,47 @@ def matmul_runner(spec):
                      "bfloat16_flops": matmul_flops_per_second(tf.bfloat16)}, spec["steps"])
 
 
-RUNNERS = {"gpupar": gpupar_runner, "fit": fit_runner, "matmul": matmul_runner}
+def towers_runner(spec):
+    """The classic TF1 tower code (gpupar.towers), one tower per replica, fed a shuffled pass at a time."""
+    import numpy as np
+    import tensorflow as tf
+
+    from gpupar.idx import load_idx_dir
+    from gpupar.towers import TowerTrainer
+
+    towers, batch = spec["replicas"], spec["batch_size"]
+    num_gpus = len(tf.config.list_physical_devices("GPU"))
+    trainer = TowerTrainer(towers, batch, num_gpus=num_gpus)
+    splits = load_idx_dir(spec["data_dir"])
+    images = (splits.train_images.astype(np.float32) / 255.0)[..., np.newaxis]
+    labels = splits.train_labels.astype(np.int64)
+    global_batch = towers * batch
+    rng = np.random.default_rng(0)
+
+    def batches():
+        while True:
+            order = rng.permutation(len(images))
+            for start in range(0, len(order) - global_batch + 1, global_batch):
+                chosen = order[start:start + global_batch]
+                yield images[chosen], labels[chosen]
+
+    feed = batches()
+    trainer.step(*next(feed))
+    say(first_step_seconds=time.perf_counter() - STARTED, strategy=f"TF1 towers on {', '.join(trainer.devices)}",
+        steps_per_call=1)
+
+    def timed(steps):
+        started, cpu = time.perf_counter(), cpu_seconds()
+        for _ in range(steps):
+            trainer.step(*next(feed))
+        seconds = time.perf_counter() - started
+        return {"images_per_second": steps * global_batch / seconds, "seconds": seconds,
+                "cores_busy": (cpu_seconds() - cpu) / seconds}
+
+    serve(timed, spec["steps"])
+
+
+RUNNERS = {"gpupar": gpupar_runner, "fit": fit_runner, "towers": towers_runner, "matmul": matmul_runner}
 
 
 def main(argv):
