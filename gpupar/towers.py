@@ -2,11 +2,11 @@
 
 The code gpupar's users copy today: a tf.compat.v1 graph with one copy of the ConvNet (a tower)
 per device, the variables on /cpu:0, each tower's gradients averaged on /cpu:0 and one Adam
-update, batch norm by the fused kernel, the batches fed from NumPy by feed_dict, TensorFlow's
-default thread pools, and on a machine without GPUs one CPU device per tower
-(ConfigProto.device_count). The same layers, initial scale, weight penalty, optimizer and
-batch as gpupar.build_convnet. It lives in a graph of its own, so it leaves eager TensorFlow
-alone.
+update, batch norm by the fused kernel on feature maps (moments on the dense layer) with the moving
+statistics from the first tower, the batches fed from NumPy by feed_dict, TensorFlow's default
+thread pools, and on a machine without GPUs one CPU device per tower (ConfigProto.device_count).
+The same layers, initial scale, weight penalty (build_convnet's defaults), optimizer and batch as
+gpupar.build_convnet. It lives in a graph of its own, so it leaves eager TensorFlow alone.
 """
 
 from typing import List
@@ -29,7 +29,7 @@ def tower_devices(towers: int, num_gpus: int) -> List[str]:
 def _batch_norm(x, name, updates):
     """Training-mode batch norm (fused kernel for feature maps, moments for vectors), as tf.layers did."""
     channels = x.shape[-1]
-    with tf1.variable_scope(name, reuse=tf1.AUTO_REUSE):
+    with tf1.variable_scope(name, reuse=tf1.AUTO_REUSE), tf.device("/cpu:0"):
         gamma = tf1.get_variable("gamma", [channels], initializer=tf1.ones_initializer())
         beta = tf1.get_variable("beta", [channels], initializer=tf1.zeros_initializer())
         moving_mean = tf1.get_variable("moving_mean", [channels], initializer=tf1.zeros_initializer(), trainable=False)
@@ -49,7 +49,7 @@ def _batch_norm(x, name, updates):
 def _tower_loss(images, labels, updates):
     """The ConvNet's mean cross-entropy plus its L2 weight penalty on one tower's batch."""
     init = tf1.truncated_normal_initializer(stddev=0.01)
-    with tf1.variable_scope("convnet", reuse=tf1.AUTO_REUSE):
+    with tf1.variable_scope("convnet", reuse=tf1.AUTO_REUSE), tf.device("/cpu:0"):
         kernels = [tf1.get_variable("conv1", [5, 5, 1, 6], initializer=init),
                    tf1.get_variable("conv2", [5, 5, 6, 12], initializer=init),
                    tf1.get_variable("dense1", [7 * 7 * 12, 100], initializer=init),
@@ -80,7 +80,7 @@ class TowerTrainer:
             tf1.set_random_seed(seed)
             self.images = tf1.placeholder(tf.float32, [towers * batch_size, 28, 28, 1])
             self.labels = tf1.placeholder(tf.int64, [towers * batch_size])
-            optimizer = tf1.train.AdamOptimizer(1e-3)
+            optimizer = tf1.train.AdamOptimizer(1e-3, epsilon=1e-7)  # Keras' epsilon
             losses, gradients, updates = [], [], []
             for i, device in enumerate(devices):
                 share = slice(i * batch_size, (i + 1) * batch_size)
@@ -95,7 +95,7 @@ class TowerTrainer:
                     self.train_op = optimizer.apply_gradients(averaged)
                 self.loss = tf.add_n(losses) / towers
             self.num_parameters = sum(int(np.prod(v.shape)) for v in tf1.trainable_variables())
-            config = tf1.ConfigProto(device_count={"CPU": towers if num_gpus < towers else 1})
+            config = tf1.ConfigProto(device_count={"CPU": max(1, sum(d.startswith("/cpu") for d in devices))})
             self.session = tf1.Session(graph=self.graph, config=config)
             self.session.run(tf1.global_variables_initializer())
 

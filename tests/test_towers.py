@@ -18,6 +18,7 @@ def test_the_towers_train_gpupars_convnet_on_one_device_each():
     assert trainer.num_parameters == sum(int(np.prod(v.shape)) for v in keras_model.trainable_variables)
     placed = {op.device for op in trainer.graph.get_operations() if op.type == "Conv2D"}
     assert placed == {"/device:CPU:0", "/device:CPU:1"}
+    assert {op.device for op in trainer.graph.get_operations() if op.type == "VarHandleOp"} == {"/device:CPU:0"}
 
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 10, 64)
