@@ -11,10 +11,11 @@ noise hits all of them alike. Besides gpupar and model.fit, the classic TF1 towe
 (gpupar/towers.py) runs as the baseline multi-device code is usually measured against. Per
 configuration it reports the median and spread of images/s, the CPU cores it kept busy (CPU time
 over wall time, spinning threads included), the ratio to model.fit with the same replicas (median
-of the per-round ratios), the fraction of the roofline (conv and dense FLOPs at this machine's matrix-multiply rate), seconds to the first
-step and peak memory. For gpupar's default configuration it then shows where the time goes (input
-wait, step and host from in-graph timestamps; op time by kind from a TensorBoard profile) and,
-last, trains it to a test accuracy (`--accuracy_target`) and reports the time.
+of the per-round ratios), the fraction of the roofline (conv and dense FLOPs at this machine's
+matrix-multiply rate), seconds to the first step and peak memory. For gpupar's default
+configuration it then shows where the time goes (input wait, step and host from in-graph
+timestamps; op time by kind from a TensorBoard profile) and, last, trains it to a test accuracy
+(`--accuracy_target`) and reports the time.
 """
 
 import argparse

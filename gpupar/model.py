@@ -7,6 +7,8 @@ import keras
 import tensorflow as tf
 
 NUM_CLASSES = 10
+# The ConvNet's defaults, shared with the TF1 tower baseline (gpupar.towers).
+DROPOUT, L2, BN_MOMENTUM = 0.5, 5e-4, 0.9
 
 
 @contextlib.contextmanager
@@ -103,7 +105,7 @@ class XlaBatchNormalization(keras.layers.BatchNormalization):
         return tf.cast(outputs, self.compute_dtype)
 
 
-def build_convnet(dropout: float = 0.5, sync_batch_norm: bool = False, l2: float = 5e-4, seed: int = 0,
+def build_convnet(dropout: float = DROPOUT, sync_batch_norm: bool = False, l2: float = L2, seed: int = 0,
                   stage_devices: Optional[Sequence[str]] = None, dtype: Optional[str] = None,
                   xla_batch_norm: bool = True):
     """The ConvNet: conv 6@5x5, conv 12@5x5, dense 100, each with batch norm, then 10 logits.
@@ -120,7 +122,7 @@ def build_convnet(dropout: float = 0.5, sync_batch_norm: bool = False, l2: float
 
     def batch_norm():
         layer = XlaBatchNormalization if xla_batch_norm else keras.layers.BatchNormalization
-        return layer(momentum=0.9, synchronized=sync_batch_norm, dtype=dtype)
+        return layer(momentum=BN_MOMENTUM, synchronized=sync_batch_norm, dtype=dtype)
 
     def conv(filters):
         return [

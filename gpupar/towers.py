@@ -5,8 +5,9 @@ per device, the variables on /cpu:0, each tower's gradients averaged on /cpu:0 a
 update, batch norm by the fused kernel on feature maps (moments on the dense layer) with the moving
 statistics from the first tower, the batches fed from NumPy by feed_dict, TensorFlow's default
 thread pools, and on a machine without GPUs one CPU device per tower (ConfigProto.device_count).
-The same layers, initial scale, weight penalty (build_convnet's defaults), optimizer and batch as
-gpupar.build_convnet. It lives in a graph of its own, so it leaves eager TensorFlow alone.
+The same layers, initial scale, dropout and weight penalty (build_convnet's defaults, imported
+from gpupar.model), optimizer and batch as gpupar.build_convnet. It lives in a graph of its own,
+so it leaves eager TensorFlow alone.
 """
 
 from typing import List
@@ -14,9 +15,9 @@ from typing import List
 import numpy as np
 import tensorflow as tf
 
+from gpupar.model import BN_MOMENTUM, DROPOUT, L2, NUM_CLASSES
+
 tf1 = tf.compat.v1
-L2 = 5e-4
-MOMENTUM = 0.9
 
 
 def tower_devices(towers: int, num_gpus: int) -> List[str]:
@@ -41,8 +42,8 @@ def _batch_norm(x, name, updates):
         mean, variance = tf.nn.moments(x, [0])
         y = tf.nn.batch_normalization(x, mean, variance, beta, gamma, 1e-3)
     if updates is not None:  # the first tower's statistics, as the classic code kept them
-        updates += [tf1.assign(moving_mean, moving_mean * MOMENTUM + mean * (1 - MOMENTUM)),
-                    tf1.assign(moving_var, moving_var * MOMENTUM + variance * (1 - MOMENTUM))]
+        updates += [tf1.assign(moving_mean, moving_mean * BN_MOMENTUM + mean * (1 - BN_MOMENTUM)),
+                    tf1.assign(moving_var, moving_var * BN_MOMENTUM + variance * (1 - BN_MOMENTUM))]
     return y
 
 
@@ -53,14 +54,14 @@ def _tower_loss(images, labels, updates):
         kernels = [tf1.get_variable("conv1", [5, 5, 1, 6], initializer=init),
                    tf1.get_variable("conv2", [5, 5, 6, 12], initializer=init),
                    tf1.get_variable("dense1", [7 * 7 * 12, 100], initializer=init),
-                   tf1.get_variable("dense2", [100, 10], initializer=init)]
-        bias = tf1.get_variable("dense2_bias", [10], initializer=tf1.zeros_initializer())
+                   tf1.get_variable("dense2", [100, NUM_CLASSES], initializer=init)]
+        bias = tf1.get_variable("dense2_bias", [NUM_CLASSES], initializer=tf1.zeros_initializer())
     h = images
     for i, kernel in enumerate(kernels[:2]):
         h = tf.nn.conv2d(h, kernel, 1, "SAME")
         h = tf.nn.max_pool2d(tf.nn.relu(_batch_norm(h, f"bn{i + 1}", updates)), 2, 2, "VALID")
     h = tf.matmul(tf.reshape(h, [-1, 7 * 7 * 12]), kernels[2])
-    h = tf1.nn.dropout(tf.nn.relu(_batch_norm(h, "bn3", updates)), rate=0.5)
+    h = tf1.nn.dropout(tf.nn.relu(_batch_norm(h, "bn3", updates)), rate=DROPOUT)
     logits = tf.matmul(h, kernels[3]) + bias
     cross_entropy = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
     return cross_entropy + L2 * tf.add_n([tf.nn.l2_loss(k) * 2 for k in kernels])

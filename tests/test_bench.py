@@ -58,8 +58,8 @@ def test_quick_benchmark_writes_the_table_json_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "roofline: 2.95 MFLOP per image" in done.stdout and "where the time goes" in done.stdout
     assert set(report["headlines"]) == {
-        "gpupar / model.fit, same model, 1 replica", "gpupar 2 replicas / 1 replica", "TF1 tower code 2 towers / 1 tower",
-        "gpupar / TF1 tower code, 1 replica", "gpupar / TF1 tower code, 2 replicas"}
+        "gpupar / model.fit, same model, 1 replica", "gpupar 2 replicas / 1 replica",
+        "TF1 tower code 2 towers / 1 tower", "gpupar / TF1 tower code, 1 replica", "gpupar / TF1 tower code, 2 replicas"}
     assert "gpupar 2 replicas / 1 replica: " in done.stdout
 
 

@@ -44,7 +44,6 @@ def test_causes_name_the_setting_and_its_fix():
     assert close[0].startswith("the input pipeline alone is only 1.5x as fast as the step")
 
 
-
 def _fit(idx_dir, **options):
     defaults = dict(data_dir=idx_dir, epochs=1, batch_size=256, display_step=4, dropout=0.0,
                     strategy="one_device")

@@ -18,7 +18,6 @@ def idx_dir(tmp_path_factory):
     return make_idx_dir(tmp_path_factory.mktemp("data"), num_train=2048, num_test=64)
 
 
-
 def _config(idx_dir, **options):
     return Config(data_dir=idx_dir, batch_size=256, strategy="one_device", dropout=0.0, **options)
 
