@@ -57,6 +57,11 @@ def __getattr__(name):
     raise AttributeError(f"module 'gpupar' has no attribute {name!r}")
 
 
+def __dir__():
+    """The module's names with the lazily imported ones, so dir() and completion show the whole API."""
+    return sorted({*globals(), *_LAZY})
+
+
 def fit_mnist(config: Config = None, **options):
     """Trains the MNIST ConvNet (or config.model) on this machine's devices and returns a FitResult.
 

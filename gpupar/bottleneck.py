@@ -76,7 +76,11 @@ def likely_causes(config, input_rate=None, step_rate=None, cpus=None) -> list:
     return causes
 
 
-def warning(wait: InputWait, config) -> str:
-    """The warning for an input-bound run: the measurement, then the likely causes and fixes."""
+def warning(wait: InputWait, config, gpus: bool = False) -> str:
+    """The warning for an input-bound run: the measurement, then the likely causes and fixes.
+
+    `gpus`: whether the run's devices are GPUs, where the sign is the well-known one.
+    """
+    sign = " (memory full, GPU-Util near 0%)" if gpus else ""
     return (f"training is input-bound: the step waited for input {wait.fraction:.0%} of the time, so the "
-            f"devices sat idle (on a GPU: memory full, GPU-Util near 0%). Likely: {'; '.join(likely_causes(config))}")
+            f"devices sat idle{sign}. Likely: {'; '.join(likely_causes(config))}")

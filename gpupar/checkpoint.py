@@ -1,9 +1,10 @@
 """Checkpoints of model, optimizer and position (epoch, step), and resuming from them."""
 
 import dataclasses
+import json
 import logging
 import os
-from typing import Optional
+from typing import Mapping, Optional
 
 import tensorflow as tf
 
@@ -17,12 +18,15 @@ WITHIN_EPOCH = "within_epoch"
 class Position:
     """Where training stands: `epoch` epochs complete, plus `step` steps of the next one.
 
-    `global_batch` is the batch those steps had (0 where unknown: nothing restored yet).
+    `global_batch` is the batch those steps had (0 where unknown: nothing restored yet);
+    `totals` the sums of those steps (gpupar.train.EpochTotals as a dict), so that the record of
+    an epoch resumed in its middle covers the whole epoch.
     """
 
     epoch: int = 0
     step: int = 0
     global_batch: int = 0
+    totals: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def rebatched(self, global_batch: int, steps_per_epoch: int) -> "Position":
         """The same point for a run with another global batch or epoch length.
@@ -33,7 +37,8 @@ class Position:
         step = self.step
         if step and self.global_batch and self.global_batch != global_batch:
             step = step * self.global_batch // global_batch
-        return Position(self.epoch, min(step, steps_per_epoch - 1) if step else 0, global_batch)
+        return Position(self.epoch, min(step, steps_per_epoch - 1) if step else 0, global_batch,
+                        self.totals if step else {})
 
 
 class Checkpoints:
@@ -43,33 +48,40 @@ class Checkpoints:
     which keeps only the newest. Each save writes its files first and then atomically replaces
     the small index file that names the latest one, so a process killed at any moment leaves the
     previous checkpoint readable. A checkpoint stores one copy of each variable, so one written
-    with N replicas restores into any other replica count.
+    with N replicas restores into any other replica count. It also names the model that wrote it
+    (`signature`: the model and its shape-defining options), so that restoring into another model
+    says which one the checkpoint needs. With save=False it only restores.
     """
 
     def __init__(self, model_dir: Optional[str], model, optimizer, max_to_keep: Optional[int] = None,
-                 global_batch: int = 0):
+                 global_batch: int = 0, signature: Optional[Mapping] = None, save: bool = True):
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step_in_epoch")
         self.global_batch = tf.Variable(global_batch, dtype=tf.int64, trainable=False, name="global_batch")
+        self.totals = tf.Variable("{}", dtype=tf.string, trainable=False, name="epoch_totals")
+        self.signature = dict(signature or {})
         self.run_global_batch = global_batch
         self.checkpoint = tf.train.Checkpoint(
-            model=model, optimizer=optimizer, epoch=self.epoch, step=self.step, global_batch=self.global_batch
+            model=model, optimizer=optimizer, epoch=self.epoch, step=self.step, global_batch=self.global_batch,
+            epoch_totals=self.totals,
+            model_signature=tf.Variable(json.dumps(self.signature, sort_keys=True), dtype=tf.string, trainable=False),
         )
+        self.model_dir, self.saving = model_dir, save
         self.epochs = self.steps = None
         if model_dir is not None:
-            self.epochs = tf.train.CheckpointManager(self.checkpoint, model_dir, max_to_keep=max_to_keep)
-            self.steps = tf.train.CheckpointManager(
-                self.checkpoint, os.path.join(model_dir, WITHIN_EPOCH), max_to_keep=1, checkpoint_name="step"
-            )
+            self._managers(model_dir, max_to_keep)
         self.latest = None
+
+    def _managers(self, directory: str, max_to_keep: Optional[int]):
+        self.epochs = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=max_to_keep)
+        self.steps = tf.train.CheckpointManager(
+            self.checkpoint, os.path.join(directory, WITHIN_EPOCH), max_to_keep=1, checkpoint_name="step"
+        )
 
     def write_to(self, directory: str):
         """Saves into `directory` from now on (a non-chief worker's scratch folder, after restoring)."""
-        if self.epochs is not None:
-            self.epochs = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=1)
-            self.steps = tf.train.CheckpointManager(
-                self.checkpoint, os.path.join(directory, WITHIN_EPOCH), max_to_keep=1, checkpoint_name="step"
-            )
+        self._managers(directory, 1)
+        self.saving = True
 
     @staticmethod
     def _unreadable(path, error):
@@ -87,6 +99,20 @@ class Checkpoints:
         except (IndexError, ValueError, tf.errors.OpError) as e:
             raise self._unreadable(path, e) from None
 
+    def _check_signature(self, path):
+        """Refuses a checkpoint written by another model, naming the model it needs."""
+        try:
+            saved = tf.train.load_checkpoint(path).get_tensor("model_signature/.ATTRIBUTES/VARIABLE_VALUE")
+        except (IndexError, ValueError, tf.errors.OpError):
+            return  # damaged (restore says so), or written before checkpoints named their model
+        saved = json.loads(saved.decode() if isinstance(saved, bytes) else saved)
+        if self.signature and saved != self.signature:
+            raise GpuparError(
+                f"{path} was written by {describe_signature(saved)}, but this run builds "
+                f"{describe_signature(self.signature)}; resume with the options of the checkpoint's model "
+                "(or another model_dir for this one). Nothing was changed on disk"
+            )
+
     def restore(self, resume) -> Position:
         """Restores per `resume` (False, True for the one further along in model_dir, or a path)."""
         if resume is False:
@@ -94,26 +120,32 @@ class Checkpoints:
         if isinstance(resume, str):
             path = resume
         else:
-            candidates = [p for p in (self.epochs.latest_checkpoint, self.steps.latest_checkpoint) if p]
+            candidates = [m.latest_checkpoint for m in (self.epochs, self.steps) if m and m.latest_checkpoint]
             if not candidates:
-                log.info("resume: no checkpoint in %s yet, starting from scratch", self.epochs.directory)
+                if self.model_dir is None:
+                    log.warning("resume: no earlier run to resume, so this run starts from scratch")
+                else:
+                    log.warning("resume: no checkpoint in %s yet, so this run starts from scratch", self.model_dir)
                 return Position()
             path = max(candidates, key=self._position_in)
+        self._check_signature(path)
         try:
             self.checkpoint.restore(path).assert_existing_objects_matched()
         except (AssertionError, IndexError, ValueError, tf.errors.OpError) as e:
             raise self._unreadable(path, e) from None
-        position = Position(int(self.epoch.numpy()), int(self.step.numpy()), int(self.global_batch.numpy()))
+        totals = json.loads(self.totals.numpy().decode() or "{}")
+        position = Position(int(self.epoch.numpy()), int(self.step.numpy()), int(self.global_batch.numpy()), totals)
         self.latest = path
         log.info("resumed from %s after %d epoch(s) and %d step(s)", path, position.epoch, position.step)
         return position
 
     def _save(self, manager, number, position: Position) -> Optional[str]:
-        if manager is None:
+        if manager is None or not self.saving:
             return None
         self.epoch.assign(position.epoch)
         self.step.assign(position.step)
         self.global_batch.assign(self.run_global_batch)
+        self.totals.assign(json.dumps(dict(position.totals)))
         try:
             self.latest = manager.save(checkpoint_number=number)
         except (OSError, tf.errors.OpError) as e:
@@ -125,12 +157,18 @@ class Checkpoints:
         return self.latest
 
     def save_epoch(self, epochs_done: int) -> Optional[str]:
-        """Writes ckpt-<epochs_done>; returns its path, or None without a model_dir."""
+        """Writes ckpt-<epochs_done>; returns its path, or None when this run saves nothing."""
         return self._save(self.epochs, epochs_done, Position(epochs_done, 0))
 
     def save_step(self, position: Position, global_step: int) -> Optional[str]:
-        """Writes a within-epoch checkpoint at `position`; returns its path."""
+        """Writes a within-epoch checkpoint at `position` (its totals included); returns its path."""
         return self._save(self.steps, global_step, position)
+
+
+def describe_signature(signature: Mapping) -> str:
+    """'model lstm (lstm_layers=2, lstm_units=64)' from a checkpoint's model signature."""
+    options = ", ".join(f"{k}={v}" for k, v in sorted(signature.items()) if k != "model")
+    return f"model {signature.get('model', '?')}" + (f" ({options})" if options else "")
 
 
 class ModelDirLock:

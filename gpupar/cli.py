@@ -16,6 +16,7 @@ Exit status: 0 on success, 1 when training fails with a gpupar error, 2 for a ba
 
 import dataclasses
 import sys
+import textwrap
 import typing
 
 from absl import app, flags
@@ -61,6 +62,60 @@ flags.DEFINE_integer("diagnose_steps", 30, "gpupar diagnose: timed steps in each
 COMMANDS = ("devices", "plot", "diagnose")
 
 
+HELP = {
+    None: ("gpupar [flags]", "Trains as the flags say (by default the MNIST ConvNet on every device), evaluating "
+           "and saving a checkpoint after every epoch."),
+    "devices": ("gpupar devices [--json] [device flags]", "Lists the devices TensorFlow sees and the strategy and "
+                "all-reduce auto would pick, and why."),
+    "diagnose": ("gpupar diagnose [--json] [--diagnose_steps=30] [training flags]", "Measures the input pipeline "
+                 "alone, the train step alone and both together under the training flags, and says which bounds "
+                 "training and what to change."),
+    "plot": ("gpupar plot METRICS.json -o curves.png", "Draws loss, accuracy and speed per epoch from a metrics "
+             "file (--metrics_json, or metrics.json in a run folder) into a PNG."),
+    "launch": ("gpupar launch --workers=N [--ps=M] [--restarts=R] -- [training flags]", "Runs a cluster of gpupar "
+               "processes on this machine, each with its own TF_CONFIG on 127.0.0.1 (gpupar launch --help)."),
+    "bench": ("gpupar bench [flags]", "Measures gpupar against Keras model.fit (gpupar bench --help)."),
+}
+_COMMAND_FLAGS = {"devices": ("json",), "diagnose": ("json", "diagnose_steps"), "plot": ("output",)}
+HELP_FLAGS = ("--help", "-h", "--helpshort", "-?")
+
+
+def flag_rows():
+    """(flag, default, help) for every flag of training, in Config's order: what --help and docs/flags.md list."""
+    helps, rows = field_help(), []
+    for field in dataclasses.fields(Config):
+        default = getattr(_DEFAULTS, field.name)
+        if field.name == "resume":
+            rows.append(("--resume", "False", "Continue from the latest checkpoint in --model_dir (empty: the latest "
+                                              "run under runs/)."))
+            rows.append(("--resume_from=PATH", "", "Restore this checkpoint, e.g. runs/001/ckpt-3."))
+        elif isinstance(default, bool):
+            rows.append((f"--[no]{field.name}", str(default), helps[field.name]))
+        else:
+            rows.append((f"--{field.name}=...", "" if default is None else str(default), helps[field.name]))
+    return rows
+
+
+def help_text(command=None) -> str:
+    """What `gpupar [COMMAND] --help` prints: what the command does, then its flags."""
+    usage, summary = HELP[command]
+    lines = [f"usage: {usage}", "", textwrap.fill(summary, 100), ""]
+    if command is None:
+        lines.append("commands:")
+        lines += [textwrap.fill(text[1], 100, initial_indent=f"  {name:<10}", subsequent_indent=" " * 12)
+                  for name, text in HELP.items() if name]
+        lines += ["", "flags (every one optional; absl's own: --helpfull):"]
+    if command in (None, "devices", "diagnose"):
+        for flag, default, text in flag_rows():
+            lines.append(f"  {flag} (default {default})" if default else f"  {flag}")
+            lines.append(textwrap.fill(text, 100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    for name in _COMMAND_FLAGS.get(command, ()):
+        lines.append(f"  --{name} (default {FLAGS[name].default}): {FLAGS[name].help}")
+    if command in ("devices", "diagnose"):
+        lines.insert(4, "It takes training's flags:")
+    return "\n".join(lines)
+
+
 def _error(message, status):
     print(f"gpupar: error: {message}", file=sys.stderr)
     return status
@@ -72,7 +127,8 @@ def _plot(args):
     if len(args) != 1:
         return _error("usage: gpupar plot METRICS.json -o OUTPUT.png (one metrics file)", 2)
     try:
-        plot.plot_history(plot.load_history(args[0]), FLAGS.output)
+        history, title = plot.load_history(args[0])
+        plot.plot_history(history, FLAGS.output, title)
     except GpuparError as e:
         return _error(e, 1)
     print(f"wrote {FLAGS.output}")
@@ -151,6 +207,13 @@ def _main_and_exit(argv):
 
 def run():
     """Console-script entry point."""
+    argv = sys.argv[1:]
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    if command not in ("launch", "bench") and any(a in HELP_FLAGS for a in argv):
+        if command not in HELP:
+            sys.exit(_error(f"no command {command!r}; commands are {', '.join(c for c in HELP if c)}", 2))
+        print(help_text(command))
+        sys.exit(0)
     if sys.argv[1:2] == ["launch"]:  # its own arguments; the flags after -- go to each task
         from gpupar import launch
 

@@ -45,11 +45,12 @@ class Config:
       virtual_cpus: Split the CPU into this many logical devices, for multi-device runs without GPUs.
       dataset: TFDS dataset: mnist or fashion_mnist.
       data_dir: Folder with the four MNIST-format IDX files (gzipped or not); empty loads from TFDS.
-      model_dir: Folder for per-epoch checkpoints; empty writes none.
-      resume: True continues from the latest checkpoint in model_dir; a path restores that checkpoint.
+      model_dir: Folder of this run: its checkpoints, and by default its TensorBoard logs and metrics; empty: a new numbered folder under runs/ (runs/001, ...; with resume, the latest).
+      save: Write checkpoints, and by default TensorBoard logs and metrics, into model_dir; False writes no checkpoint, and only the log_dir and metrics_json given.
+      resume: True continues from the latest checkpoint in model_dir (empty model_dir: the latest run under runs/); a path restores that checkpoint.
       max_to_keep: Checkpoints kept in model_dir; empty keeps all.
       checkpoint_every_steps: Also save within an epoch every this many steps; empty saves per epoch only.
-      log_dir: TensorBoard folder; empty writes no summaries.
+      log_dir: TensorBoard folder; empty: model_dir/tensorboard (none with save=False).
       display_step: Print a progress line every this many steps.
       steps_per_call: Train steps run inside one tf.function call; empty runs display_step steps per call (capped at the epoch), so the host reads results once per progress line.
       nan_policy: A step with a NaN or Inf loss or gradient: stop (error, last checkpoint kept) or skip it.
@@ -57,7 +58,7 @@ class Config:
       sync_batch_norm: Batch-norm statistics over the global batch rather than each replica's.
       seed: Seed for weights, shuffling and dropout.
       steps_per_epoch: Cap on the steps of each epoch, for quick runs; empty for a full pass.
-      metrics_json: Write the per-epoch history and final metrics to this JSON file.
+      metrics_json: Write the per-epoch history and final metrics to this JSON file; empty: model_dir/metrics.json (none with save=False).
       augment: Randomly shift, rotate and zoom the training images.
       augment_on: Where augmentation runs: device (in the train step, batched) or host (tf.data, per image).
       num_parallel_calls: Threads for the tf.data map; empty lets tf.data tune it (AUTOTUNE).
@@ -92,6 +93,7 @@ class Config:
     dataset: str = "mnist"
     data_dir: Optional[str] = None
     model_dir: Optional[str] = None
+    save: bool = True
     resume: Union[bool, str] = False
     max_to_keep: Optional[int] = None
     checkpoint_every_steps: Optional[int] = None
@@ -181,16 +183,16 @@ def _parse_gpus(gpus):
     if isinstance(gpus, int) and not isinstance(gpus, bool):
         gpus = [gpus]
     if not isinstance(gpus, (str, list, tuple)):
-        raise GpuparError(f"gpus={gpus!r}: give GPU indices as '0,1', [0, 1] or 0")
+        raise GpuparError(f"gpus={quote(gpus)}: give GPU indices as '0,1', [0, 1] or 0")
     items = gpus.split(",") if isinstance(gpus, str) else list(gpus)
     parsed = []
     for item in items:
         text = str(item).strip()
         if not text.isdigit():
-            raise GpuparError(f"gpus={gpus!r}: {text!r} is not a GPU index; use e.g. gpus='0,1'")
+            raise GpuparError(f"gpus={quote(gpus)}: {text!r} is not a GPU index; use e.g. gpus='0,1'")
         parsed.append(int(text))
     if len(set(parsed)) != len(parsed):
-        raise GpuparError(f"gpus={gpus!r} names a GPU twice")
+        raise GpuparError(f"gpus={quote(gpus)} names a GPU twice")
     return tuple(parsed)
 
 
@@ -200,13 +202,13 @@ def _parse_profile_steps(steps):
     items = steps.split(",") if isinstance(steps, str) else steps
     hint = "give the first and last step to profile, e.g. profile_steps='20,40'"
     if not isinstance(items, (list, tuple)) or len(items) != 2:
-        raise GpuparError(f"profile_steps={steps!r}: {hint}")
+        raise GpuparError(f"profile_steps={quote(steps)}: {hint}")
     try:
         first, last = (int(str(item).strip()) for item in items)
     except ValueError:
-        raise GpuparError(f"profile_steps={steps!r}: not two whole numbers; {hint}") from None
+        raise GpuparError(f"profile_steps={quote(steps)}: not two whole numbers; {hint}") from None
     if not 1 <= first <= last:
-        raise GpuparError(f"profile_steps={steps!r}: need 1 <= first <= last (steps count from 1); {hint}")
+        raise GpuparError(f"profile_steps={quote(steps)}: need 1 <= first <= last (steps count from 1); {hint}")
     return first, last
 
 
@@ -214,16 +216,27 @@ def _parse_devices(devices):
     if devices is None or devices == "":
         return None
     if not isinstance(devices, (str, list, tuple)):
-        raise GpuparError(f"devices={devices!r}: give device names as '/gpu:0,/gpu:1' or a list of them")
+        raise GpuparError(f"devices={quote(devices)}: give device names as '/gpu:0,/gpu:1' or a list of them")
     items = devices.split(",") if isinstance(devices, str) else list(devices)
     names = tuple(str(d).strip() for d in items)
     for name in names:
         if not _DEVICE_NAME.match(name):
             raise GpuparError(
-                f"devices={devices!r}: {name!r} is not a device name; use names like "
+                f"devices={quote(devices)}: {name!r} is not a device name; use names like "
                 "'/gpu:0' or '/cpu:1'"
             )
     return names
+
+
+def quote(value) -> str:
+    """A value as an error message shows it: repr for short values, type and shape for arrays and long ones."""
+    shape = getattr(value, "shape", None)
+    if shape is not None and not isinstance(value, (str, bytes)):
+        return f"<{type(value).__name__} of shape {tuple(shape)}>"
+    if isinstance(value, (tuple, list)) and any(getattr(v, "shape", None) is not None for v in value):
+        return f"({', '.join(quote(v) for v in value)})"
+    text = repr(value)
+    return text if len(text) <= 80 else f"<{type(value).__name__}: {text[:60]}...>"
 
 
 def _check(condition, message):
@@ -243,11 +256,11 @@ def _positive_int(config, name, optional=False):
     value = getattr(config, name)
     if optional and value is None:
         return
-    _check(_is_int(value) and value > 0, f"{name}={value!r}: must be a whole number > 0")
+    _check(_is_int(value) and value > 0, f"{name}={quote(value)}: must be a whole number > 0")
 
 
 def _validate(c: Config):
-    _check(_is_int(c.epochs) and c.epochs >= 0, f"epochs={c.epochs!r}: must be a whole number >= 0")
+    _check(_is_int(c.epochs) and c.epochs >= 0, f"epochs={quote(c.epochs)}: must be a whole number >= 0")
     for name in ("batch_size", "display_step"):
         _positive_int(c, name)
     for name in ("memory_limit_mb", "virtual_cpus", "max_to_keep", "checkpoint_every_steps", "steps_per_epoch",
@@ -256,49 +269,49 @@ def _validate(c: Config):
     for name in ("intra_op_threads", "inter_op_threads"):
         value = getattr(c, name)
         _check(value is None or _is_int(value) and value >= 0,
-               f"{name}={value!r}: must be a whole number >= 0 (0 leaves it to TensorFlow), or empty to let gpupar choose")
-    _check(_is_int(c.seed), f"seed={c.seed!r}: must be a whole number")
-    _check(_is_int(c.slurm_ps) and c.slurm_ps >= 0, f"slurm_ps={c.slurm_ps!r}: must be a whole number >= 0")
+               f"{name}={quote(value)}: must be a whole number >= 0 (0 leaves it to TensorFlow), or empty to let gpupar choose")
+    _check(_is_int(c.seed), f"seed={quote(c.seed)}: must be a whole number")
+    _check(_is_int(c.slurm_ps) and c.slurm_ps >= 0, f"slurm_ps={quote(c.slurm_ps)}: must be a whole number >= 0")
     _check(
         _is_number(c.learning_rate) and c.learning_rate > 0,
-        f"learning_rate={c.learning_rate!r}: must be a number > 0",
+        f"learning_rate={quote(c.learning_rate)}: must be a number > 0",
     )
     _check(
         _is_number(c.dropout) and 0 <= c.dropout < 1,
-        f"dropout={c.dropout!r}: must be a rate in [0, 1)",
+        f"dropout={quote(c.dropout)}: must be a rate in [0, 1)",
     )
     _check(
-        c.strategy in STRATEGY_CHOICES,
-        f"strategy={c.strategy!r} is unknown; choose one of: {', '.join(STRATEGY_CHOICES)}",
+        isinstance(c.strategy, str) and c.strategy in STRATEGY_CHOICES,
+        f"strategy={quote(c.strategy)} is unknown; choose one of: {', '.join(STRATEGY_CHOICES)}",
     )
     _check(
-        c.cross_device_ops in CROSS_DEVICE_OPS,
-        f"cross_device_ops={c.cross_device_ops!r} is unknown; choose one of: "
+        isinstance(c.cross_device_ops, str) and c.cross_device_ops in CROSS_DEVICE_OPS,
+        f"cross_device_ops={quote(c.cross_device_ops)} is unknown; choose one of: "
         f"{', '.join(CROSS_DEVICE_OPS)}",
     )
     _check(
-        c.dataset in DATASETS,
-        f"dataset={c.dataset!r} is unknown; choose one of: {', '.join(DATASETS)}",
+        isinstance(c.dataset, str) and c.dataset in DATASETS,
+        f"dataset={quote(c.dataset)} is unknown; choose one of: {', '.join(DATASETS)}",
     )
     _check(
-        c.nan_policy in NAN_POLICIES,
-        f"nan_policy={c.nan_policy!r} is unknown; choose one of: {', '.join(NAN_POLICIES)}",
+        isinstance(c.nan_policy, str) and c.nan_policy in NAN_POLICIES,
+        f"nan_policy={quote(c.nan_policy)} is unknown; choose one of: {', '.join(NAN_POLICIES)}",
     )
     if c.stop_at_accuracy is not None:
         _check(_is_number(c.stop_at_accuracy) and 0 < c.stop_at_accuracy <= 1,
-               f"stop_at_accuracy={c.stop_at_accuracy!r}: must be an accuracy in (0, 1], e.g. 0.89")
+               f"stop_at_accuracy={quote(c.stop_at_accuracy)}: must be an accuracy in (0, 1], e.g. 0.89")
     if c.memory_fraction is not None:
         _check(
             _is_number(c.memory_fraction) and 0 < c.memory_fraction <= 1,
-            f"memory_fraction={c.memory_fraction!r}: must be a fraction in (0, 1]",
+            f"memory_fraction={quote(c.memory_fraction)}: must be a fraction in (0, 1]",
         )
         _check(
             c.memory_limit_mb is None,
             "memory_fraction and memory_limit_mb both cap GPU memory; give only one of them",
         )
     _check(
-        c.precision in PRECISIONS,
-        f"precision={c.precision!r} is unknown; choose one of: {', '.join(PRECISIONS)}",
+        isinstance(c.precision, str) and c.precision in PRECISIONS,
+        f"precision={quote(c.precision)} is unknown; choose one of: {', '.join(PRECISIONS)}",
     )
     _check(
         not (c.precision == "mixed_float16" and c.nan_policy == "skip"),
@@ -306,18 +319,19 @@ def _validate(c: Config):
         "use it with nan_policy=stop",
     )
     _check(
-        c.augment_on in AUGMENT_PLACEMENTS,
-        f"augment_on={c.augment_on!r} is unknown; choose one of: {', '.join(AUGMENT_PLACEMENTS)}",
+        isinstance(c.augment_on, str) and c.augment_on in AUGMENT_PLACEMENTS,
+        f"augment_on={quote(c.augment_on)} is unknown; choose one of: {', '.join(AUGMENT_PLACEMENTS)}",
     )
     if c.profile_steps is not None:
-        _check(c.log_dir is not None, "profile_steps needs log_dir, the TensorBoard folder the profile goes to")
+        _check(c.log_dir is not None or c.save, "profile_steps needs log_dir, the TensorBoard folder the profile goes "
+               "to (save=False writes none by default)")
     for name in ("memory_growth", "soft_placement", "log_placement", "sync_batch_norm", "augment", "deterministic",
-                 "jit_compile"):
+                 "jit_compile", "save"):
         _check(isinstance(getattr(c, name), bool), f"{name}={getattr(c, name)!r}: must be True or False")
     if c.data_dir is not None:
         _check(
             os.path.isdir(c.data_dir),
-            f"data_dir={c.data_dir!r} does not exist or is not a folder; point it at the folder "
+            f"data_dir={quote(c.data_dir)} does not exist or is not a folder; point it at the folder "
             "holding train-images-idx3-ubyte[.gz] and the other three IDX files",
         )
     for name in ("log_dir", "metrics_json"):
@@ -325,7 +339,8 @@ def _validate(c: Config):
         if path is not None:
             _check(_can_create(path), f"{name}={path!r} cannot be written; choose a path in a folder you can write")
     if c.checkpoint_every_steps is not None:
-        _check(c.model_dir is not None, "checkpoint_every_steps needs model_dir, the folder to save into")
+        _check(c.save, "checkpoint_every_steps saves checkpoints within an epoch, and save=False writes none; drop "
+               "one of them")
     _validate_resume(c)
     _validate_mode_options(c)
     _validate_model(c)
@@ -347,7 +362,7 @@ def _validate_mode_options(c: Config):
 
 
 def _validate_model(c: Config):
-    _check(c.model in MODELS, f"model={c.model!r} is unknown; choose one of: {', '.join(MODELS)}")
+    _check(isinstance(c.model, str) and c.model in MODELS, f"model={quote(c.model)} is unknown; choose one of: {', '.join(MODELS)}")
     for name in ("lstm_layers", "lstm_units", "microbatches"):
         _positive_int(c, name)
     if c.strategy != MODEL_PARALLEL:
@@ -375,10 +390,8 @@ def _can_create(path: str) -> bool:
 def _validate_resume(c: Config):
     _check(
         isinstance(c.resume, (bool, str)),
-        f"resume={c.resume!r}: must be True, False or the path of a checkpoint",
+        f"resume={quote(c.resume)}: must be True, False or the path of a checkpoint",
     )
-    if c.resume is True:
-        _check(c.model_dir is not None, "resume=True needs model_dir, the folder to resume from")
     path = c.resume_path
     if path is not None:
         _check(
@@ -386,9 +399,9 @@ def _validate_resume(c: Config):
             f"resume={path!r}: no checkpoint there (expected {path}.index); give a path like "
             "model_dir/ckpt-3, or resume=True for the latest",
         )
-    if c.model_dir is not None and c.resume is False:
+    if c.model_dir is not None and c.resume is False and c.save:
         _check(
             not any(os.path.exists(os.path.join(c.model_dir, *sub, "checkpoint")) for sub in ((), ("within_epoch",))),
-            f"model_dir={c.model_dir!r} already holds checkpoints; pass resume=True (--resume) to "
+            f"model_dir={quote(c.model_dir)} already holds checkpoints; pass resume=True (--resume) to "
             "continue from the latest, or choose an empty model_dir so nothing is overwritten",
         )

@@ -26,6 +26,23 @@ from gpupar.train import assembled_train_function
 
 log = logging.getLogger("gpupar")
 WARM_UP_STEPS = 3  # traced and discarded before each measurement
+STEP_SPEED = 0.8  # training at this share of the step-alone rate or more is bound by its step (noise: ~10%)
+VIRTUAL_CPU_NOTE = ("on virtual CPUs the input-wait figure also counts a replica waiting for a CPU thread as "
+                    "waiting for input, so the verdict comes from the three rates")
+
+
+def verdict(input_rate: float, step_rate: float, together_rate: float) -> tuple:
+    """(input_bound, bound_by) from the three rates: what holds training below its step's own speed.
+
+    Training that runs near the step's own rate is bound by the step, whatever it waits; below
+    it, by the input pipeline: one slower than the step alone, or one that is fast alone but
+    takes the CPU the step needs.
+    """
+    if together_rate >= STEP_SPEED * step_rate:
+        return False, "train step"
+    if input_rate < step_rate:
+        return True, "input pipeline"
+    return True, "input pipeline sharing the CPU with the step"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +57,10 @@ class Report:
       step_images_per_second: The train step alone, on one batch kept on the devices.
       together_images_per_second: Pipeline and step together, as training runs them.
       input_wait_fraction: Share of step time the combined run waited for input.
-      input_bound: Whether training is bound by its input pipeline.
-      bound_by: "input pipeline" or "train step".
+      input_bound: Whether training is bound by its input pipeline (from the three rates: see verdict).
+      bound_by: "train step", "input pipeline", or "input pipeline sharing the CPU with the step".
       recommendations: What to change, most likely first.
+      notes: What the figures cannot tell here.
     """
 
     strategy: str
@@ -55,6 +73,7 @@ class Report:
     input_bound: bool
     bound_by: str
     recommendations: tuple
+    notes: tuple = ()
 
     def to_json(self) -> str:
         """The report as indented JSON, for `gpupar diagnose --json`."""
@@ -69,9 +88,11 @@ class Report:
         ]
         lines = [f"{self.strategy}; global batch {self.global_batch}, {self.steps} timed steps each"]
         lines += [f"  {name:<45} {rate:>12,.0f} images/s" for name, rate in rows]
-        lines.append(f"input wait {self.input_wait_fraction:.0%} of step time: "
+        lines.append(f"input wait {self.input_wait_fraction:.0%} of step time; together "
+                     f"{self.together_images_per_second / self.step_images_per_second:.0%} of the step alone: "
                      f"{'input-bound' if self.input_bound else 'not input-bound'}; training is bound by the {self.bound_by}")
         lines += [f"  recommended: {text}" for text in self.recommendations]
+        lines += [f"  note: {text}" for text in self.notes]
         return "\n".join(lines)
 
 
@@ -144,11 +165,13 @@ def diagnose(config: Config, steps: int = 30) -> Report:
     together_seconds = time.perf_counter() - started
 
     rates = [steps * run.global_batch / seconds for seconds in (input_seconds, step_seconds, together_seconds)]
+    input_bound, bound_by = verdict(*rates)
+    virtual_cpus = not run.devices.visible_gpus and run.plan.num_replicas > 1
     return Report(
         strategy=run.plan.describe().split(";")[0], global_batch=run.global_batch, steps=steps,
         input_images_per_second=rates[0], step_images_per_second=rates[1], together_images_per_second=rates[2],
-        input_wait_fraction=wait.fraction, input_bound=wait.input_bound,
-        bound_by="input pipeline" if wait.input_bound else "train step",
-        recommendations=tuple(bottleneck.likely_causes(config, rates[0], rates[1]) if wait.input_bound
+        input_wait_fraction=wait.fraction, input_bound=input_bound, bound_by=bound_by,
+        recommendations=tuple(bottleneck.likely_causes(config, rates[0], rates[1]) if input_bound
                               else ["training is bound by the step: the input pipeline needs no change"]),
+        notes=(VIRTUAL_CPU_NOTE,) if virtual_cpus else (),
     )

@@ -181,6 +181,13 @@ def build_model(config, stage_devices: Optional[Sequence[str]] = None):
                          dtype=dtype)
 
 
+def model_signature(config) -> dict:
+    """The model config builds and the options that shape its variables, as checkpoints record it."""
+    if config.model == "lstm":
+        return {"model": "lstm", "lstm_layers": config.lstm_layers, "lstm_units": config.lstm_units}
+    return {"model": config.model}
+
+
 def layer_stages(layers) -> list:
     """The pipeline stage of each layer: where a model splits for strategy=model_parallel.
 

@@ -21,7 +21,8 @@ import tensorflow as tf
 from gpupar import data
 from gpupar.checkpoint import Checkpoints
 from gpupar.errors import GpuparError
-from gpupar.model import build_model, layer_stages, num_stages
+from gpupar.model import build_model, layer_stages, model_signature, num_stages
+from gpupar.outputs import describe_outputs
 from gpupar.result import FitResult
 from gpupar.stages import StagePlan, plan_stages
 from gpupar.strategy import plan_strategy, short_name
@@ -205,7 +206,7 @@ def train_and_evaluate(config, stop, started) -> FitResult:
     for line in pipeline.describe():
         log.info(line)
 
-    checkpoints = Checkpoints(config.model_dir, model, adam, config.max_to_keep, global_batch)
+    checkpoints = Checkpoints(config.model_dir, model, adam, config.max_to_keep, global_batch, model_signature(config), config.save)
     saved_at = checkpoints.restore(config.resume)
     start = saved_at.rebatched(global_batch, steps_per_epoch)
     if start.step != saved_at.step:
@@ -242,5 +243,6 @@ def train_and_evaluate(config, stop, started) -> FitResult:
     )
     if config.metrics_json:
         result.write_json(config.metrics_json)
+    log.info(describe_outputs(config, checkpoints.latest))
     return result
 

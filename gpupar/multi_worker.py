@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import signal
+import tempfile
 
 import tensorflow as tf
 
@@ -34,10 +35,12 @@ class ScratchDir:
     too, so a worker that was killed leaves nothing behind after its restart.
     """
 
-    def __init__(self, cluster: Cluster, model_dir):
+    def __init__(self, cluster: Cluster, model_dir, save: bool = True):
         self.path = None
-        if model_dir is not None and not cluster.is_chief:
-            self.path = os.path.join(model_dir, f".scratch-{cluster.task_type}-{cluster.task_index}")
+        if save and not cluster.is_chief:
+            name = f".scratch-{cluster.task_type}-{cluster.task_index}"
+            # Without a model_dir of its own (the chief numbers its run folder), a temporary one.
+            self.path = os.path.join(model_dir, name) if model_dir else tempfile.mkdtemp(prefix=f"gpupar{name}-")
 
     def __enter__(self):
         if self.path is not None:

@@ -9,7 +9,7 @@ WIDTH, HEIGHT, DPI = 1200, 400, 100
 
 
 def load_history(path: str):
-    """The per-epoch history of a metrics file, checked for the fields the plot needs."""
+    """The per-epoch history of a metrics file, checked for the fields the plot needs, and the run's title."""
     try:
         with open(path) as f:
             metrics = json.load(f)
@@ -24,31 +24,48 @@ def load_history(path: str):
         missing = [f for f in FIELDS if not isinstance(record, dict) or not isinstance(record.get(f), (int, float))]
         if missing:
             raise GpuparError(f"{path}: history[{i}] lacks number(s) {', '.join(missing)}")
-    return history
+    strategy = str(metrics.get("strategy", "")).split(";")[0].replace("strategy: ", "")
+    return history, f"{path}: {strategy}" if strategy else path
 
 
-def plot_history(history, output: str):
-    """Writes loss, train/test accuracy and images/s per epoch as one PNG of WIDTH x HEIGHT pixels."""
+def draw_history(history, title: str = ""):
+    """A matplotlib Figure of WIDTH x HEIGHT pixels: loss, train/test accuracy and images/s per epoch.
+
+    An epoch that a resumed run finished is drawn as a whole epoch: its record carries the sums of
+    both runs (EpochRecord.resumed_at_step).
+    """
     try:
         import matplotlib
     except ImportError:
         raise GpuparError("gpupar plot needs matplotlib: pip install 'gpupar[plot]'") from None
     matplotlib.use("Agg")  # no display needed
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     epochs = [r["epoch"] for r in history]
     figure, (loss, accuracy, speed) = plt.subplots(1, 3, figsize=(WIDTH / DPI, HEIGHT / DPI), dpi=DPI)
     loss.plot(epochs, [r["train_loss"] for r in history], marker="o")
-    loss.set(title="train loss", xlabel="epoch")
+    loss.set(title="train loss", xlabel="epoch", ylabel="loss")
     accuracy.plot(epochs, [r["train_accuracy"] for r in history], marker="o", label="train")
     accuracy.plot(epochs, [r["test_accuracy"] for r in history], marker="o", label="test")
-    accuracy.set(title="accuracy", xlabel="epoch")
+    accuracy.set(title="accuracy", xlabel="epoch", ylabel="accuracy")
     accuracy.legend()
     speed.plot(epochs, [r["images_per_second"] for r in history], marker="o")
-    speed.set(title="training images/s", xlabel="epoch")
+    speed.set(title="training speed", xlabel="epoch", ylabel="images/s")
     for axes in (loss, accuracy, speed):
         axes.grid(alpha=0.3)
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole epochs only
+    if title:
+        figure.suptitle(title)
     figure.tight_layout()
+    return figure
+
+
+def plot_history(history, output: str, title: str = ""):
+    """Writes draw_history's figure as a PNG to `output`."""
+    figure = draw_history(history, title)
+    from matplotlib import pyplot as plt
+
     try:
         figure.savefig(output, dpi=DPI)
     except OSError as e:

@@ -28,7 +28,8 @@ from gpupar.config import Config
 from gpupar.devices import configure_devices
 from gpupar.errors import GpuparError
 from gpupar.interrupt import StopRequests, TrainingInterrupted
-from gpupar.model import build_convnet
+from gpupar.model import build_convnet, model_signature
+from gpupar.outputs import describe_outputs
 from gpupar.result import EpochRecord, FitResult
 from gpupar.strategy import build_strategy, detected_plan, plan_strategy
 from gpupar.summaries import Summaries
@@ -50,7 +51,7 @@ def run_task(config: Config, cluster: Cluster) -> FitResult:
         serve(config, cluster)
     if cluster.task_type != "chief":
         raise GpuparError(f"{cluster.task_name}: gpupar has no {cluster.task_type} task in parameter-server mode")
-    with ModelDirLock(config.model_dir), StopRequests() as stop:
+    with ModelDirLock(config.model_dir if config.save else None), StopRequests() as stop:
         return _coordinate(config, cluster, stop)
 
 
@@ -247,7 +248,7 @@ def _coordinate(config: Config, cluster: Cluster, stop) -> FitResult:
         model = build_convnet(config.dropout, seed=config.seed)
         optimizer = keras.optimizers.Adam(config.learning_rate)
         optimizer.build(model.trainable_variables)
-    checkpoints = Checkpoints(config.model_dir, model, optimizer, config.max_to_keep, batch)
+    checkpoints = Checkpoints(config.model_dir, model, optimizer, config.max_to_keep, batch, model_signature(config), config.save)
     start = checkpoints.restore(config.resume).rebatched(batch, steps_per_epoch)
     optimizer.learning_rate.assign(config.learning_rate)
 
@@ -282,4 +283,5 @@ def _coordinate(config: Config, cluster: Cluster, stop) -> FitResult:
     )
     if config.metrics_json:
         result.write_json(config.metrics_json)
+    log.info(describe_outputs(config, checkpoints.latest))
     return result

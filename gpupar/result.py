@@ -17,13 +17,14 @@ class EpochRecord:
       train_loss: Mean training loss (cross-entropy plus L2) over the epoch's steps.
       train_accuracy: Training accuracy over the epoch's steps (dropout on).
       test_accuracy: Accuracy on the whole test set after the epoch.
-      seconds: Wall time of the epoch's training steps, evaluation excluded.
+      seconds: Wall time of the epoch's training steps (in every run that trained them), evaluation excluded.
       images_per_second: Training images per second over the epoch.
-      steps: Training steps in the epoch.
+      steps: Training steps in the epoch (with those of an earlier run, when it resumed mid-epoch).
       skipped_steps: Steps dropped for a non-finite loss or gradient (nan_policy=skip).
       input_wait_fraction: Share of step time spent waiting for input batches (see gpupar.bottleneck).
       gpu_util_percent: Mean NVML GPU-Util over the epoch and the GPUs; None where not sampled.
       gpu_memory_used_mb: Highest GPU memory in use on any GPU in the epoch; None where not sampled.
+      resumed_at_step: The step this run resumed the epoch at (its sums carried over); 0 when it ran the whole epoch.
     """
 
     epoch: int
@@ -37,6 +38,7 @@ class EpochRecord:
     input_wait_fraction: float = 0.0
     gpu_util_percent: Optional[float] = None
     gpu_memory_used_mb: Optional[float] = None
+    resumed_at_step: int = 0
 
 
 @dataclasses.dataclass

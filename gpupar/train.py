@@ -1,6 +1,7 @@
 """The distributed train and test steps (the inner loop) and the epoch loop (the outer loop)."""
 
 import contextlib
+import dataclasses
 import logging
 import math
 import signal
@@ -13,11 +14,13 @@ import tensorflow as tf
 from gpupar import assembly, augment, bottleneck, data, utilisation
 from gpupar.bottleneck import InputWait
 from gpupar.checkpoint import Checkpoints, ModelDirLock, Position
+from gpupar.model import model_signature
 from gpupar.cluster import detect_cluster
 from gpupar.config import MODEL_PARALLEL, Config
 from gpupar.devices import configure_devices
 from gpupar.errors import GpuparError
 from gpupar.interrupt import StopRequests, TrainingInterrupted
+from gpupar.outputs import describe_outputs, resolve_outputs
 from gpupar.profiling import ProfileWindow
 from gpupar.result import EpochRecord, FitResult
 from gpupar.summaries import Summaries
@@ -203,11 +206,58 @@ def _crosses(before: int, after: int, every) -> bool:
     return every is not None and after // every > before // every
 
 
+@dataclasses.dataclass
+class EpochTotals:
+    """Sums over the steps of an epoch so far; a step checkpoint carries them into the resumed run.
+
+    Attributes:
+      steps: Steps run, skipped ones included.
+      skipped: Steps dropped for a non-finite loss or gradient.
+      images: Training examples of all those steps (for the speed).
+      examples: Examples of the steps kept (for the means).
+      loss: Sum over the kept steps of each step's mean loss times its examples.
+      correct: Correct predictions in the kept steps.
+      seconds: Wall time of the steps.
+    """
+
+    steps: int = 0
+    skipped: int = 0
+    images: int = 0
+    examples: int = 0
+    loss: float = 0.0
+    correct: float = 0.0
+    seconds: float = 0.0
+
+    @classmethod
+    def from_dict(cls, values) -> "EpochTotals":
+        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
+
+    def add(self, steps: int, skipped: int, global_batch: int, loss_sum: float, correct_sum: float):
+        """Adds one call's steps: loss_sum is the sum of their mean losses (0 for a skipped step)."""
+        self.steps, self.skipped = self.steps + steps, self.skipped + skipped
+        self.images += steps * global_batch
+        self.examples += (steps - skipped) * global_batch
+        self.loss += loss_sum * global_batch
+        self.correct += correct_sum
+
+    def since(self, earlier: "EpochTotals") -> "EpochTotals":
+        """The sums of the steps after `earlier`."""
+        return EpochTotals(*(getattr(self, f.name) - getattr(earlier, f.name) for f in dataclasses.fields(self)))
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss / max(self.examples, 1)
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / max(self.examples, 1)
+
+
 class _Loop:
     """The outer loop: epochs of K-step calls, progress lines, evaluation, checkpoints, summaries."""
 
     def __init__(self, config, train, evaluate, checkpoints, summaries, steps_per_epoch, global_batch, updates,
-                 weights_finite, loss_scale=None, gpu_sampler=None):
+                 weights_finite, loss_scale=None, gpu_sampler=None, on_gpus=False):
         self.config, self.train, self.evaluate = config, train, evaluate
         self.weights_finite = weights_finite
         self.updates = updates  # the optimizer's update counter; it stands still on skipped steps
@@ -219,6 +269,7 @@ class _Loop:
         self.warned = False  # the input-bound warning is given once per run
         self.wait = InputWait()  # this epoch's input waits
         self.gpu_sampler, self.gpus = gpu_sampler, []  # the GPUs' summaries over the last epoch
+        self.on_gpus = on_gpus
 
     def _call(self, train_iterator, num_steps):
         """Runs one train call of num_steps steps; returns its (loss sum, correct sum) as floats."""
@@ -234,7 +285,7 @@ class _Loop:
 
     def _warn_if_input_bound(self):
         if self.wait.input_bound and not self.warned:
-            log.warning(bottleneck.warning(self.wait, self.config))
+            log.warning(bottleneck.warning(self.wait, self.config, self.on_gpus))
             self.warned = True
 
     def _save(self, epoch, step, save):
@@ -256,51 +307,50 @@ class _Loop:
             num = min(num, every - step % every)
         return self.profile.limit(self.done, num)
 
-    def epoch(self, epoch, first_step, train_iterator, stop):
-        """Trains the rest of one epoch from first_step; returns its EpochRecord."""
+    def epoch(self, epoch, start: Position, train_iterator, stop):
+        """Trains the rest of one epoch from `start`; returns its EpochRecord, the whole epoch's."""
         c, spe, gb = self.config, self.steps_per_epoch, self.global_batch
-        started = time.perf_counter()
-        step, loss_total, correct_total = first_step, 0.0, 0.0
-        shown_step, shown_time, shown_loss, shown_correct = step, started, 0.0, 0.0
-        updates_before, skipped, shown_skipped = int(self.updates.numpy()), 0, 0
+        began = time.perf_counter()
+        totals = EpochTotals.from_dict(start.totals)  # the steps before start.step, in an earlier run
+        step, shown, shown_time = start.step, dataclasses.replace(totals), began
         self.wait = InputWait()
         if self.gpu_sampler:
             self.gpu_sampler.take()  # drops the samples of evaluation and saving since the last epoch
+
+        def position():
+            return Position(epoch, step, totals=dataclasses.asdict(
+                dataclasses.replace(totals, seconds=totals.seconds + time.perf_counter() - began)))
+
         while step < spe:
             if stop.signum:
                 self._interrupt(stop, self._save(epoch, step, lambda: self.checkpoints.save_step(
-                    Position(epoch, step), epoch * spe + step)))
+                    position(), epoch * spe + step)))
             num_steps = self._chunk(step)
+            updates_before = int(self.updates.numpy()) if c.nan_policy == "skip" else None
             loss_sum, correct_sum = self._call(train_iterator, num_steps)
+            # The update counter stands still on a skipped step.
+            skipped = 0 if updates_before is None else num_steps - (int(self.updates.numpy()) - updates_before)
+            totals.add(num_steps, skipped, gb, loss_sum, correct_sum)
             step += num_steps
-            loss_total += loss_sum
-            correct_total += correct_sum
-            _check_finite(loss_total, epoch, step - num_steps + 1, step, self.checkpoints.latest)
+            _check_finite(totals.loss, epoch, step - num_steps + 1, step, self.checkpoints.latest)
             if _crosses(step - num_steps, step, c.display_step) or step == spe or stop.signum:
-                now, done = time.perf_counter(), step - shown_step
-                if c.nan_policy == "skip":
-                    skipped = step - first_step - (int(self.updates.numpy()) - updates_before)
-                kept = max(done - (skipped - shown_skipped), 1)
-                loss = (loss_total - shown_loss) / kept
+                now, interval = time.perf_counter(), totals.since(shown)
                 log.info(
-                    "Epoch:[%d] [%d / %d] loss: %.4f, acc: %.4f, %s img/s%s", epoch, step, spe, loss,
-                    (correct_total - shown_correct) / (kept * gb), f"{done * gb / (now - shown_time):,.0f}",
-                    f", skipped {skipped - shown_skipped} non-finite step(s)" if skipped > shown_skipped else "",
+                    "Epoch:[%d] [%d / %d] loss: %.4f, acc: %.4f, %s img/s%s", epoch, step, spe, interval.mean_loss,
+                    interval.accuracy, f"{interval.images / (now - shown_time):,.0f}",
+                    f", skipped {interval.skipped} non-finite step(s)" if interval.skipped else "",
                 )
-                shown_skipped = skipped
                 self._warn_if_input_bound()
-                self.summaries.step(epoch * spe + step, loss)
-                shown_step, shown_time, shown_loss, shown_correct = step, now, loss_total, correct_total
+                self.summaries.step(epoch * spe + step, interval.mean_loss)
+                shown, shown_time = dataclasses.replace(totals), now
             if step < spe and not stop.signum and _crosses(step - num_steps, step, c.checkpoint_every_steps):
-                self._save(epoch, step, lambda: self.checkpoints.save_step(Position(epoch, step), epoch * spe + step))
-        seconds = time.perf_counter() - started
+                self._save(epoch, step, lambda: self.checkpoints.save_step(position(), epoch * spe + step))
+        totals.seconds += time.perf_counter() - began
         self.gpus = self.gpu_sampler.take() if self.gpu_sampler else []
-        steps = spe - first_step
-        kept = max(steps - skipped, 1)
         return EpochRecord(
-            epoch=epoch, train_loss=loss_total / kept, train_accuracy=correct_total / (kept * gb),
-            test_accuracy=self.evaluate(), seconds=seconds, images_per_second=steps * gb / seconds, steps=steps,
-            skipped_steps=skipped, input_wait_fraction=self.wait.fraction,
+            epoch=epoch, train_loss=totals.mean_loss, train_accuracy=totals.accuracy, test_accuracy=self.evaluate(),
+            seconds=totals.seconds, images_per_second=totals.images / totals.seconds, steps=totals.steps,
+            skipped_steps=totals.skipped, input_wait_fraction=self.wait.fraction, resumed_at_step=start.step,
             gpu_util_percent=statistics.fmean(g.mean_util_percent for g in self.gpus) if self.gpus else None,
             gpu_memory_used_mb=max(g.max_memory_used_mb for g in self.gpus) if self.gpus else None,
         )
@@ -317,7 +367,7 @@ class _Loop:
             log.info("nothing to train: the checkpoint already holds %d epoch(s), epochs=%d",
                      start.epoch, self.config.epochs)
         for epoch in range(start.epoch, self.config.epochs):
-            record = self.epoch(epoch, start.step if epoch == start.epoch else 0, train_iterator, stop)
+            record = self.epoch(epoch, start if epoch == start.epoch else Position(epoch), train_iterator, stop)
             history.append(record)
             self.summaries.epoch(epoch, record)
             saved = self._save(epoch, self.steps_per_epoch, lambda: self.checkpoints.save_epoch(epoch + 1))
@@ -360,17 +410,18 @@ def train_and_evaluate(config: Config) -> FitResult:
     synchronous cluster every worker runs this loop and only the chief keeps what it writes.
     """
     cluster = detect_cluster(slurm_ps=config.slurm_ps)
+    config = resolve_outputs(config, chief=cluster is None or cluster.is_chief)
     if cluster is not None and cluster.num_ps:
         from gpupar import ps_train
 
         return ps_train.run_task(config, cluster)
     if cluster is None:
-        with ModelDirLock(config.model_dir), StopRequests() as stop:
+        with ModelDirLock(config.model_dir if config.save else None), StopRequests() as stop:
             return _train_and_evaluate(config, stop)
     from gpupar import multi_worker
 
-    with ModelDirLock(config.model_dir if cluster.is_chief else None), StopRequests() as stop, \
-            multi_worker.ScratchDir(cluster, config.model_dir) as scratch:
+    with ModelDirLock(config.model_dir if cluster.is_chief and config.save else None), StopRequests() as stop, \
+            multi_worker.ScratchDir(cluster, config.model_dir, config.save) as scratch:
         return _train_and_evaluate(multi_worker.worker_config(config, cluster), stop, cluster, scratch.path)
 
 
@@ -390,7 +441,7 @@ def _train_and_evaluate(config: Config, stop, cluster=None, scratch_dir=None) ->
     strategy, model, adam, global_batch, steps_per_epoch = (
         run.strategy, run.model, run.adam, run.global_batch, run.steps_per_epoch)
     num_test_steps = data.test_steps(len(run.splits.test_images), global_batch)
-    checkpoints = Checkpoints(config.model_dir, model, adam, config.max_to_keep, global_batch)
+    checkpoints = Checkpoints(config.model_dir, model, adam, config.max_to_keep, global_batch, model_signature(config), config.save)
     saved_at = checkpoints.restore(config.resume)
     if scratch_dir is not None:
         checkpoints.write_to(scratch_dir)  # a non-chief worker: it restores the chief's, keeps nothing
@@ -420,7 +471,7 @@ def _train_and_evaluate(config: Config, stop, cluster=None, scratch_dir=None) ->
             cleanup.callback(gpu_sampler.stop)
         loop = _Loop(config, train, evaluate, checkpoints, summaries, steps_per_epoch, global_batch, adam.iterations,
                      make_finite_check(model), run.optimizer.dynamic_scale if run.skips_nonfinite else None,
-                     gpu_sampler)
+                     gpu_sampler, on_gpus=any(d.startswith("/gpu") for d in run.plan.devices))
         cleanup.callback(loop.profile.stop)
         history = loop.run(start, train_iterator, stop)
     test_accuracy = history[-1].test_accuracy if history else evaluate()
@@ -433,4 +484,5 @@ def _train_and_evaluate(config: Config, stop, cluster=None, scratch_dir=None) ->
     )
     if config.metrics_json:
         result.write_json(config.metrics_json)
+    log.info(describe_outputs(config, checkpoints.latest))
     return result

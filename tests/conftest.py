@@ -55,6 +55,12 @@ def make_idx_dir(folder, num_train=256, num_test=100, gz=True):
     return str(folder)
 
 
+@pytest.fixture(autouse=True)
+def _runs_in_tmp_path(tmp_path, monkeypatch):
+    """Every test runs in its own folder, so the runs/ folders that runs create by default land there."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture
 def idx_dir(tmp_path):
     """A small synthetic MNIST-format folder (256 train, 100 test images, gzipped)."""

@@ -60,3 +60,28 @@ def test_cli_bad_flag_fails_before_any_work(idx_dir):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "augment_on='gpu' is unknown; choose one of: device, host" in out.stderr
     assert "strategy:" not in out.stdout
+
+
+@pytest.mark.parametrize("rates, expected", [
+    ((16_741, 14_598, 16_741), (False, "train step")),  # together as fast as the step alone: not input-bound
+    ((500, 5_000, 480), (True, "input pipeline")),
+    ((20_000, 5_000, 2_000), (True, "input pipeline sharing the CPU with the step")),
+])
+def test_the_verdict_follows_from_the_three_rates(rates, expected):
+    from gpupar.diagnose import verdict
+
+    assert verdict(*rates) == expected
+
+
+def test_virtual_cpus_say_what_the_input_wait_cannot_tell(idx_dir):
+    report = diagnose(Config(data_dir=idx_dir, batch_size=128, strategy="mirrored", virtual_cpus=2, dropout=0.0),
+                      steps=4)
+    assert "counts a replica waiting for a CPU thread as waiting for input" in report.format()
+    assert report.input_bound == (report.together_images_per_second < 0.8 * report.step_images_per_second)
+
+
+def test_the_input_bound_warning_names_gpu_signs_only_on_gpus():
+    from gpupar.bottleneck import InputWait, warning
+
+    wait = InputWait(waited=3.0, busy=1.0, steps=10)
+    assert "GPU-Util" not in warning(wait, Config()) and "GPU-Util near 0%" in warning(wait, Config(), gpus=True)

@@ -68,7 +68,8 @@ def test_step_checkpoints_and_mid_epoch_resume_match_an_uninterrupted_run(shared
         "checkpoint", "step-15.data-00000-of-00001", "step-15.index"]  # the newest of steps 3, 6, .., 15
     resumed = _fit(shared_idx_dir, model_dir=model_dir, resume=os.path.join(model_dir, WITHIN_EPOCH, "step-15"),
                    epochs=3)
-    assert resumed.start_epoch == 0 and resumed.history[0].steps == 1  # step 16 of 16, then 2 epochs
+    # Step 16 of 16, then 2 epochs; the first epoch's record covers all 16 steps, 15 of them before.
+    assert resumed.start_epoch == 0 and (resumed.history[0].steps, resumed.history[0].resumed_at_step) == (16, 15)
     assert _close(resumed.model.get_weights(), reference)
 
 
@@ -268,7 +269,8 @@ def test_mid_epoch_checkpoint_resumes_with_another_global_batch(shared_idx_dir, 
     assert os.path.exists(path + ".index")
     # 6 steps of 16 examples are 3 steps of 32 (two replicas of 16): the epoch goes on from step 3 of 8.
     result = _fit(shared_idx_dir, model_dir=model_dir, resume=path, strategy="mirrored", virtual_cpus=2)
-    assert result.start_epoch == 0 and result.history[0].steps == 5
+    # The record covers the epoch: the 6 earlier steps of 16 and this run's 5 of 32.
+    assert result.start_epoch == 0 and (result.history[0].steps, result.history[0].resumed_at_step) == (11, 3)
     assert "continues at step 3, on a data order of its own" in capsys.readouterr().out
 
 

@@ -148,7 +148,7 @@ def test_tensorboard_and_metrics_json(shared_idx_dir, tmp_path):
     assert saved["test_accuracy"] == result.test_accuracy and len(saved["history"]) == 2
     assert set(saved["history"][0]) == {"epoch", "train_loss", "train_accuracy", "test_accuracy", "seconds",
                                         "images_per_second", "steps", "skipped_steps", "input_wait_fraction",
-                                        "gpu_util_percent", "gpu_memory_used_mb"}
+                                        "gpu_util_percent", "gpu_memory_used_mb", "resumed_at_step"}
 
 
 def test_fit_on_tfds_mock_data():
