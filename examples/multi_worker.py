@@ -15,8 +15,8 @@ import os
 import sys
 import tempfile
 
-from gpupar.cluster import Cluster, tf_config
-from gpupar.launch import Launcher
+from gpupar.runtime.cluster import Cluster, tf_config
+from gpupar.runtime.launch import Launcher
 
 quick = "--quick" in sys.argv
 run_dir = tempfile.mkdtemp(prefix="gpupar-multi-worker-")

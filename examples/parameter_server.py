@@ -14,7 +14,7 @@ import json
 import sys
 import tempfile
 
-from gpupar.launch import Launcher
+from gpupar.runtime.launch import Launcher
 
 quick = "--quick" in sys.argv
 run_dir = tempfile.mkdtemp(prefix="gpupar-parameter-server-")

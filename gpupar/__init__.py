@@ -12,20 +12,20 @@ import logging
 import sys
 
 from gpupar.config import Config
-from gpupar.devices import DevicePlan, plan_devices
 from gpupar.errors import GpuparError
-from gpupar.stages import StagePlan, plan_stages
-from gpupar.strategy import Plan, plan_strategy
+from gpupar.runtime.devices import DevicePlan, plan_devices
+from gpupar.runtime.stages import StagePlan, plan_stages
+from gpupar.runtime.strategy import Plan, plan_strategy
 
 _LAZY = {
-    "configure_devices": "gpupar.devices",
-    "make_strategy": "gpupar.strategy",
-    "build_strategy": "gpupar.strategy",
-    "build_convnet": "gpupar.model",
-    "build_lstm": "gpupar.model",
-    "train_and_evaluate": "gpupar.train",
-    "FitResult": "gpupar.result",
-    "EpochRecord": "gpupar.result",
+    "configure_devices": "gpupar.runtime.devices",
+    "make_strategy": "gpupar.runtime.strategy",
+    "build_strategy": "gpupar.runtime.strategy",
+    "build_convnet": "gpupar.models.convnet",
+    "build_lstm": "gpupar.models.lstm",
+    "train_and_evaluate": "gpupar.training.run",
+    "FitResult": "gpupar.training.result",
+    "EpochRecord": "gpupar.training.result",
 }
 
 __all__ = ["Config", "DevicePlan", "GpuparError", "Plan", "StagePlan", "diagnose_mnist", "fit_mnist", "plan_devices",
@@ -62,23 +62,42 @@ def __dir__():
     return sorted({*globals(), *_LAZY})
 
 
-def fit_mnist(config: Config = None, **options):
-    """Trains the MNIST ConvNet (or config.model) on this machine's devices and returns a FitResult.
+def fit_mnist(config: Config = None, optimizer=None, **options):
+    """Trains the MNIST ConvNet (or config.model) on this machine's devices.
 
-    Pass a Config, keyword options (the Config field names), or both (options override).
+    Args:
+      config: A Config; None for the defaults.
+      optimizer: A Keras optimizer instead of Adam(learning_rate), e.g. keras.optimizers.SGD(0.1).
+      **options: Config fields, over `config`; an unknown one is an error.
+
+    Returns:
+      A FitResult: the trained model, the per-epoch history, the final test accuracy.
+
+    Raises:
+      GpuparError: a bad option (before TensorFlow starts) or input, a failed save, a non-finite loss.
+      TrainingInterrupted: SIGINT or SIGTERM, after saving a checkpoint.
     """
     config = Config.from_options(config, **options)
-    from gpupar.train import train_and_evaluate
+    from gpupar.training.run import train_and_evaluate
 
-    return train_and_evaluate(config)
+    return train_and_evaluate(config, optimizer)
 
 
 def diagnose_mnist(config: Config = None, steps: int = 30, **options):
-    """Measures what bounds training under these options (input pipeline or step); returns a diagnose.Report.
+    """Measures what bounds training under these options: the input pipeline or the step.
 
-    Takes the same Config or options as fit_mnist, and times `steps` steps in each measurement.
+    Args:
+      config: A Config; None for the defaults.
+      steps: Timed steps in each of the three measurements.
+      **options: Config fields, over `config`.
+
+    Returns:
+      A gpupar.monitor.diagnose.Report: the three rates, the verdict and what to change.
+
+    Raises:
+      GpuparError: a bad option or input.
     """
     config = Config.from_options(config, **options)
-    from gpupar.diagnose import diagnose
+    from gpupar.monitor.diagnose import diagnose
 
     return diagnose(config, steps)

@@ -1,20 +1,19 @@
-"""The `gpupar` command: absl flags, one per Config field, then one training run.
+"""The `gpupar` command: absl flags, one per Config field, then a training run or another command.
 
     gpupar --dataset=fashion_mnist --data_dir=/usr/share/datasets/fashion-mnist --epochs=5
     gpupar devices [--virtual_cpus=2] [--gpus=0,1] [--json]    # what TF sees, what auto picks
-    gpupar plot runs/m/metrics.json -o curves.png               # curves from --metrics_json
+    gpupar plot runs/001/metrics.json -o curves.png             # curves of a run
     gpupar diagnose --augment --augment_on=host [--json]        # input-bound or step-bound?
-    gpupar launch --workers=2 [--ps=1] -- --epochs=2 ...        # a loopback cluster (gpupar/launch.py)
-    gpupar bench [--replicas=1,2,4] [--repeats=5]               # speed against model.fit (gpupar/bench.py)
-    gpupar --strategy=mirrored --virtual_cpus=2 --dataset=fashion_mnist \
-        --data_dir=/usr/share/datasets/fashion-mnist --model_dir=runs/m --resume
-    python -m gpupar --helpfull
+    gpupar launch --workers=2 [--ps=1] -- --epochs=2 ...        # a loopback cluster
+    gpupar --strategy=mirrored --virtual_cpus=2 --resume        # continue the latest run, on 2 replicas
+    gpupar --help
 
 Exit status: 0 on success, 1 when training fails with a gpupar error, 2 for a bad flag value,
 130 / 143 after SIGINT / SIGTERM (a checkpoint was saved first).
 """
 
 import dataclasses
+import os
 import sys
 import textwrap
 import typing
@@ -22,10 +21,11 @@ import typing
 from absl import app, flags
 from absl import logging as absl_logging
 
-from gpupar.bottleneck import MIN_STEPS
 from gpupar.config import Config, field_help
 from gpupar.errors import GpuparError
-from gpupar.teardown import exit_without_teardown
+from gpupar.monitor.bottleneck import MIN_STEPS
+from gpupar.runtime.startup import start_tensorflow, wants_start_up_lines
+from gpupar.runtime.teardown import exit_without_teardown
 
 FLAGS = flags.FLAGS
 _DEFAULTS = Config()
@@ -59,7 +59,11 @@ flags.DEFINE_boolean("json", False, "gpupar devices / diagnose: print JSON inste
 flags.DEFINE_string("output", "curves.png", "gpupar plot: the PNG to write.", short_name="o")
 flags.DEFINE_integer("diagnose_steps", 30, "gpupar diagnose: timed steps in each of its three measurements.",
                      lower_bound=MIN_STEPS)
-COMMANDS = ("devices", "plot", "diagnose")
+flags.DEFINE_integer("workers", 2, "gpupar launch: worker tasks.", lower_bound=1)
+flags.DEFINE_integer("ps", 0, "gpupar launch: parameter-server tasks; more than 0 adds a chief (the coordinator).",
+                     lower_bound=0)
+flags.DEFINE_integer("restarts", 0, "gpupar launch: times to restart after a task fails (the cluster, or a "
+                     "parameter-server worker alone).", lower_bound=0)
 
 
 HELP = {
@@ -72,11 +76,12 @@ HELP = {
                  "training and what to change."),
     "plot": ("gpupar plot METRICS.json -o curves.png", "Draws loss, accuracy and speed per epoch from a metrics "
              "file (--metrics_json, or metrics.json in a run folder) into a PNG."),
-    "launch": ("gpupar launch --workers=N [--ps=M] [--restarts=R] -- [training flags]", "Runs a cluster of gpupar "
-               "processes on this machine, each with its own TF_CONFIG on 127.0.0.1 (gpupar launch --help)."),
-    "bench": ("gpupar bench [flags]", "Measures gpupar against Keras model.fit (gpupar bench --help)."),
+    "launch": ("gpupar launch [--workers=2] [--ps=0] [--restarts=0] -- [training flags]", "Runs a gpupar cluster on "
+               "this machine: each task is `python -m gpupar` with the training flags after --, its own TF_CONFIG "
+               "on 127.0.0.1 and its output prefixed with its name."),
 }
-_COMMAND_FLAGS = {"devices": ("json",), "diagnose": ("json", "diagnose_steps"), "plot": ("output",)}
+_COMMAND_FLAGS = {"devices": ("json",), "diagnose": ("json", "diagnose_steps"), "plot": ("output",),
+                  "launch": ("workers", "ps", "restarts")}
 HELP_FLAGS = ("--help", "-h", "--helpshort", "-?")
 
 
@@ -94,6 +99,19 @@ def flag_rows():
         else:
             rows.append((f"--{field.name}=...", "" if default is None else str(default), helps[field.name]))
     return rows
+
+
+def flags_markdown() -> str:
+    """docs/flags.md: the table of every flag, generated from Config's field docstrings (make docs)."""
+    lines = ["# Flags", "", "Generated from `gpupar.Config` by `make docs`; the same names are the options of "
+             "`gpupar.fit_mnist` and the fields of `gpupar.Config`. Every flag is optional.", "",
+             "| flag | default | meaning |", "| --- | --- | --- |"]
+    lines += [f"| `{flag}` | {f'`{default}`' if default else ''} | {text.replace('|', '/')} |"
+              for flag, default, text in flag_rows()]
+    lines += ["", "Commands' own flags:", "", "| flag | default | meaning |", "| --- | --- | --- |"]
+    names = dict.fromkeys(name for command_flags in _COMMAND_FLAGS.values() for name in command_flags)
+    lines += [f"| `--{name}` | `{FLAGS[name].default}` | {FLAGS[name].help} |" for name in names]
+    return "\n".join(lines) + "\n"
 
 
 def help_text(command=None) -> str:
@@ -122,7 +140,7 @@ def _error(message, status):
 
 
 def _plot(args):
-    from gpupar import plot
+    from gpupar.monitor import plot
 
     if len(args) != 1:
         return _error("usage: gpupar plot METRICS.json -o OUTPUT.png (one metrics file)", 2)
@@ -136,7 +154,7 @@ def _plot(args):
 
 
 def _devices(config):
-    from gpupar import device_report
+    from gpupar.monitor import device_report
 
     try:
         report = device_report.collect_report(config)
@@ -147,7 +165,7 @@ def _devices(config):
 
 
 def _diagnose(config):
-    from gpupar.diagnose import diagnose
+    from gpupar.monitor.diagnose import diagnose
 
     try:
         report = diagnose(config, FLAGS.diagnose_steps)
@@ -164,32 +182,19 @@ def config_from_flags() -> Config:
     return Config(**options)
 
 
-def main(argv):
-    """Runs a command, or by default validates the flags into a Config and trains.
+def _launch(task_flags):
+    from gpupar.runtime import launch
 
-    Errors become one line on stderr and an exit status.
-    """
-    if not FLAGS["verbosity"].present:
-        absl_logging.set_verbosity(absl_logging.WARNING)  # TensorFlow's INFO lines drown ours.
-    command, args = (argv[1], argv[2:]) if len(argv) > 1 else (None, [])
-    if command == "plot":
-        return _plot(args)
-    if command is not None and command not in COMMANDS:
-        return _error(
-            f"unexpected argument {command!r}; commands are {', '.join(COMMANDS)}, launch, bench (or none, to train), "
-            "and flags look like --epochs=5", 2)
-    if args:
-        return _error(f"unexpected argument(s) {' '.join(args)} after {command}", 2)
-    try:
-        config = config_from_flags()
-    except GpuparError as e:
-        return _error(e, 2)
-    if command == "devices":
-        return _devices(config)
-    if command == "diagnose":
-        return _diagnose(config)
-    from gpupar.interrupt import TrainingInterrupted
-    from gpupar.train import train_and_evaluate
+    given = sorted(f.name for f in dataclasses.fields(Config) if FLAGS[f.name].present)
+    if given:
+        return _error(f"--{given[0]} is a training flag: put it after --, e.g. gpupar launch --workers=2 -- "
+                      f"--{given[0]}=...", 2)
+    return launch.launch(FLAGS.workers, FLAGS.ps, FLAGS.restarts, task_flags)
+
+
+def _train(config):
+    from gpupar.training.interrupt import TrainingInterrupted
+    from gpupar.training.run import train_and_evaluate
 
     try:
         train_and_evaluate(config)
@@ -201,25 +206,42 @@ def main(argv):
     return 0
 
 
-def _main_and_exit(argv):
-    exit_without_teardown(main(argv))
+_RUNS = {None: _train, "devices": _devices, "diagnose": _diagnose}
+
+
+def main(argv, show_start_up_lines=False):
+    """Runs a command, or by default validates the flags into a Config and trains.
+
+    Errors become one line on stderr and an exit status.
+    """
+    if not FLAGS["verbosity"].present:
+        absl_logging.set_verbosity(absl_logging.WARNING)  # TensorFlow's INFO lines drown ours.
+    command, args = (argv[1], argv[2:]) if len(argv) > 1 else (None, [])
+    if command == "plot":
+        return _plot(args)
+    if command == "launch":  # absl left what follows -- in argv: the flags of every task
+        return _launch(args)
+    if command is not None and command not in _RUNS:
+        return _error(f"unexpected argument {command!r}; commands are {', '.join(c for c in HELP if c)} (or none, "
+                      "to train), and flags look like --epochs=5", 2)
+    if args:
+        return _error(f"unexpected argument(s) {' '.join(args)} after {command}", 2)
+    try:
+        config = config_from_flags()
+    except GpuparError as e:
+        return _error(e, 2)
+    start_tensorflow(show_start_up_lines)
+    return _RUNS[command](config)
 
 
 def run():
     """Console-script entry point."""
     argv = sys.argv[1:]
     command = argv[0] if argv and not argv[0].startswith("-") else None
-    if command not in ("launch", "bench") and any(a in HELP_FLAGS for a in argv):
+    if any(a in HELP_FLAGS for a in argv[:argv.index("--") if "--" in argv else len(argv)]):
         if command not in HELP:
             sys.exit(_error(f"no command {command!r}; commands are {', '.join(c for c in HELP if c)}", 2))
         print(help_text(command))
         sys.exit(0)
-    if sys.argv[1:2] == ["launch"]:  # its own arguments; the flags after -- go to each task
-        from gpupar import launch
-
-        sys.exit(launch.main(sys.argv[2:]))
-    if sys.argv[1:2] == ["bench"]:  # its own arguments: it runs gpupar in processes of its own
-        from gpupar import bench
-
-        sys.exit(bench.main(sys.argv[2:]))
-    app.run(_main_and_exit)
+    show = wants_start_up_lines(argv, os.environ)  # before TensorFlow is imported
+    app.run(lambda parsed: exit_without_teardown(main(parsed, show)))

@@ -13,8 +13,10 @@ from gpupar.errors import GpuparError
 
 AUGMENT_PLACEMENTS = ("device", "host")
 STRATEGIES = ("auto", "one_device", "mirrored", "central_storage", "multi_worker_mirrored", "parameter_server")
-# gpupar's own pipeline (gpupar/model_parallel.py), not a tf.distribute strategy.
+# gpupar's own pipeline (gpupar/training/pipeline.py), not a tf.distribute strategy.
 MODEL_PARALLEL = "model_parallel"
+# The engines a run can need (gpupar.training.engine), by run_mode.
+SYNCHRONOUS, PIPELINE, PARAMETER_SERVERS = "synchronous", "pipeline", "parameter servers"
 STRATEGY_CHOICES = (*STRATEGIES, MODEL_PARALLEL)
 MODELS = ("convnet", "lstm")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
@@ -252,128 +254,125 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _positive_int(config, name, optional=False):
-    value = getattr(config, name)
-    if optional and value is None:
-        return
-    _check(_is_int(value) and value > 0, f"{name}={quote(value)}: must be a whole number > 0")
+# Each field's own check: whole numbers with their least value, optional ones (None allowed),
+# numbers in a range, booleans, and names from a list.
+_WHOLE = {"epochs": 0, "batch_size": 1, "display_step": 1, "slurm_ps": 0, "lstm_layers": 1, "lstm_units": 1,
+          "microbatches": 1}
+_OPTIONAL_WHOLE = {"memory_limit_mb": 1, "virtual_cpus": 1, "max_to_keep": 1, "checkpoint_every_steps": 1,
+                   "steps_per_epoch": 1, "num_parallel_calls": 1, "data_threads": 1, "steps_per_call": 1,
+                   "intra_op_threads": 0, "inter_op_threads": 0}
+_RANGES = {"learning_rate": ("a number > 0", lambda v: v > 0), "dropout": ("a rate in [0, 1)", lambda v: 0 <= v < 1),
+           "stop_at_accuracy": ("an accuracy in (0, 1], e.g. 0.89", lambda v: 0 < v <= 1),
+           "memory_fraction": ("a fraction in (0, 1]", lambda v: 0 < v <= 1)}
+_BOOLEANS = ("memory_growth", "soft_placement", "log_placement", "save", "sync_batch_norm", "augment", "deterministic",
+             "jit_compile")
+_CHOICES = {"strategy": STRATEGY_CHOICES, "cross_device_ops": CROSS_DEVICE_OPS, "dataset": DATASETS,
+            "nan_policy": NAN_POLICIES, "precision": PRECISIONS, "augment_on": AUGMENT_PLACEMENTS, "model": MODELS}
+_THREADS_HINT = " (0 leaves it to TensorFlow), or empty to let gpupar choose"
 
 
 def _validate(c: Config):
-    _check(_is_int(c.epochs) and c.epochs >= 0, f"epochs={quote(c.epochs)}: must be a whole number >= 0")
-    for name in ("batch_size", "display_step"):
-        _positive_int(c, name)
-    for name in ("memory_limit_mb", "virtual_cpus", "max_to_keep", "checkpoint_every_steps", "steps_per_epoch",
-                 "num_parallel_calls", "data_threads", "steps_per_call"):
-        _positive_int(c, name, optional=True)
-    for name in ("intra_op_threads", "inter_op_threads"):
-        value = getattr(c, name)
-        _check(value is None or _is_int(value) and value >= 0,
-               f"{name}={quote(value)}: must be a whole number >= 0 (0 leaves it to TensorFlow), or empty to let gpupar choose")
+    """Each field on its own, then the fields that must agree, by topic; the mode's refusals last."""
+    _validate_values(c)
+    _validate_devices(c)
+    _validate_data(c)
+    _validate_outputs(c)
+    check_mode(c, run_mode(c))
+
+
+def _validate_values(c: Config):
     _check(_is_int(c.seed), f"seed={quote(c.seed)}: must be a whole number")
-    _check(_is_int(c.slurm_ps) and c.slurm_ps >= 0, f"slurm_ps={quote(c.slurm_ps)}: must be a whole number >= 0")
-    _check(
-        _is_number(c.learning_rate) and c.learning_rate > 0,
-        f"learning_rate={quote(c.learning_rate)}: must be a number > 0",
-    )
-    _check(
-        _is_number(c.dropout) and 0 <= c.dropout < 1,
-        f"dropout={quote(c.dropout)}: must be a rate in [0, 1)",
-    )
-    _check(
-        isinstance(c.strategy, str) and c.strategy in STRATEGY_CHOICES,
-        f"strategy={quote(c.strategy)} is unknown; choose one of: {', '.join(STRATEGY_CHOICES)}",
-    )
-    _check(
-        isinstance(c.cross_device_ops, str) and c.cross_device_ops in CROSS_DEVICE_OPS,
-        f"cross_device_ops={quote(c.cross_device_ops)} is unknown; choose one of: "
-        f"{', '.join(CROSS_DEVICE_OPS)}",
-    )
-    _check(
-        isinstance(c.dataset, str) and c.dataset in DATASETS,
-        f"dataset={quote(c.dataset)} is unknown; choose one of: {', '.join(DATASETS)}",
-    )
-    _check(
-        isinstance(c.nan_policy, str) and c.nan_policy in NAN_POLICIES,
-        f"nan_policy={quote(c.nan_policy)} is unknown; choose one of: {', '.join(NAN_POLICIES)}",
-    )
-    if c.stop_at_accuracy is not None:
-        _check(_is_number(c.stop_at_accuracy) and 0 < c.stop_at_accuracy <= 1,
-               f"stop_at_accuracy={quote(c.stop_at_accuracy)}: must be an accuracy in (0, 1], e.g. 0.89")
-    if c.memory_fraction is not None:
-        _check(
-            _is_number(c.memory_fraction) and 0 < c.memory_fraction <= 1,
-            f"memory_fraction={quote(c.memory_fraction)}: must be a fraction in (0, 1]",
-        )
-        _check(
-            c.memory_limit_mb is None,
-            "memory_fraction and memory_limit_mb both cap GPU memory; give only one of them",
-        )
-    _check(
-        isinstance(c.precision, str) and c.precision in PRECISIONS,
-        f"precision={quote(c.precision)} is unknown; choose one of: {', '.join(PRECISIONS)}",
-    )
-    _check(
-        not (c.precision == "mixed_float16" and c.nan_policy == "skip"),
-        "precision=mixed_float16 already skips the steps whose gradients overflow (dynamic loss scaling); "
-        "use it with nan_policy=stop",
-    )
-    _check(
-        isinstance(c.augment_on, str) and c.augment_on in AUGMENT_PLACEMENTS,
-        f"augment_on={quote(c.augment_on)} is unknown; choose one of: {', '.join(AUGMENT_PLACEMENTS)}",
-    )
-    if c.profile_steps is not None:
-        _check(c.log_dir is not None or c.save, "profile_steps needs log_dir, the TensorBoard folder the profile goes "
-               "to (save=False writes none by default)")
-    for name in ("memory_growth", "soft_placement", "log_placement", "sync_batch_norm", "augment", "deterministic",
-                 "jit_compile", "save"):
-        _check(isinstance(getattr(c, name), bool), f"{name}={getattr(c, name)!r}: must be True or False")
+    for name, least in {**_WHOLE, **_OPTIONAL_WHOLE}.items():
+        value = getattr(c, name)
+        if value is not None or name in _WHOLE:
+            hint = _THREADS_HINT if name.endswith("_threads") else ""
+            bound = "> 0" if least == 1 else f">= {least}"
+            _check(_is_int(value) and value >= least, f"{name}={quote(value)}: must be a whole number {bound}{hint}")
+    for name, (what, within) in _RANGES.items():
+        value = getattr(c, name)
+        if value is not None or name == "learning_rate":
+            _check(_is_number(value) and within(value), f"{name}={quote(value)}: must be {what}")
+    for name in _BOOLEANS:
+        _check(isinstance(getattr(c, name), bool), f"{name}={quote(getattr(c, name))}: must be True or False")
+    for name, choices in _CHOICES.items():
+        value = getattr(c, name)
+        _check(isinstance(value, str) and value in choices,
+               f"{name}={quote(value)} is unknown; choose one of: {', '.join(choices)}")
+
+
+def _validate_devices(c: Config):
+    _check(c.memory_fraction is None or c.memory_limit_mb is None,
+           "memory_fraction and memory_limit_mb both cap GPU memory; give only one of them")
+    _check(not (c.precision == "mixed_float16" and c.nan_policy == "skip"),
+           "precision=mixed_float16 already skips the steps whose gradients overflow (dynamic loss scaling); "
+           "use it with nan_policy=stop")
+
+
+def _validate_data(c: Config):
     if c.data_dir is not None:
-        _check(
-            os.path.isdir(c.data_dir),
-            f"data_dir={quote(c.data_dir)} does not exist or is not a folder; point it at the folder "
-            "holding train-images-idx3-ubyte[.gz] and the other three IDX files",
-        )
+        _check(os.path.isdir(c.data_dir), f"data_dir={quote(c.data_dir)} does not exist or is not a folder; point it "
+               "at the folder holding train-images-idx3-ubyte[.gz] and the other three IDX files")
+
+
+def _validate_outputs(c: Config):
+    """Checkpoints, summaries, metrics and resuming."""
     for name in ("log_dir", "metrics_json"):
         path = getattr(c, name)
         if path is not None:
-            _check(_can_create(path), f"{name}={path!r} cannot be written; choose a path in a folder you can write")
+            _check(_can_create(path), f"{name}={quote(path)} cannot be written; choose a path in a folder you can write")
+    if c.profile_steps is not None:
+        _check(c.log_dir is not None or c.save, "profile_steps needs log_dir, the TensorBoard folder the profile goes "
+               "to (save=False writes none by default)")
     if c.checkpoint_every_steps is not None:
         _check(c.save, "checkpoint_every_steps saves checkpoints within an epoch, and save=False writes none; drop "
                "one of them")
     _validate_resume(c)
-    _validate_mode_options(c)
-    _validate_model(c)
 
 
-def _validate_mode_options(c: Config):
-    """Options that a mode with a loop of its own does not run, refused rather than ignored."""
-    if c.strategy in (MODEL_PARALLEL, "parameter_server"):
-        _check(not c.augment, f"augment is not available with strategy={c.strategy} (its input pipeline has no "
-               "augmentation); drop --augment, or use a data-parallel strategy")
-        _check(c.precision == "float32" and not c.jit_compile, f"precision and jit_compile are not available with "
-               f"strategy={c.strategy} (its step is its own); use precision=float32 and no jit_compile")
-    if c.strategy == "parameter_server":
-        _check(c.model == "convnet", f"model={c.model} is not available with strategy=parameter_server, which "
-               "trains the ConvNet; use model=convnet")
-        for name in ("profile_steps", "checkpoint_every_steps"):
-            _check(getattr(c, name) is None, f"{name} is not available with strategy=parameter_server (it saves "
-                   "after each epoch and on a signal); drop it")
+def run_mode(config: Config, cluster=None) -> str:
+    """Which engine a run needs: SYNCHRONOUS, PIPELINE (strategy=model_parallel) or PARAMETER_SERVERS.
+
+    `cluster` (gpupar.runtime.cluster.Cluster): with strategy=auto, a cluster with ps tasks means
+    parameter servers.
+    """
+    if config.strategy == MODEL_PARALLEL:
+        return PIPELINE
+    if config.strategy == "parameter_server" or (cluster is not None and cluster.num_ps):
+        return PARAMETER_SERVERS
+    return SYNCHRONOUS
 
 
-def _validate_model(c: Config):
-    _check(isinstance(c.model, str) and c.model in MODELS, f"model={quote(c.model)} is unknown; choose one of: {', '.join(MODELS)}")
-    for name in ("lstm_layers", "lstm_units", "microbatches"):
-        _positive_int(c, name)
-    if c.strategy != MODEL_PARALLEL:
+def check_mode(c: Config, mode: str):
+    """Refuses the options that `mode` does not run, rather than ignoring them: every mode refusal is here.
+
+    Config checks its own strategy's mode when it is built; a run checks again once its cluster
+    has decided what strategy=auto means.
+    """
+    name = "parameter_server" if mode == PARAMETER_SERVERS else MODEL_PARALLEL
+    if mode != PIPELINE:
         _check(c.microbatches == 1, f"microbatches={c.microbatches} pipelines the stages of strategy=model_parallel; "
                "pass strategy=model_parallel, or microbatches=1")
+    if mode == SYNCHRONOUS:
         return
-    _check(c.batch_size % c.microbatches == 0, f"batch_size={c.batch_size} does not split into microbatches="
-           f"{c.microbatches} equal micro-batches; choose a batch_size that is a multiple of microbatches")
-    _check(c.nan_policy == "stop", "nan_policy=skip is not available with strategy=model_parallel; use nan_policy=stop")
-    _check(not c.sync_batch_norm, "sync_batch_norm synchronises tf.distribute replicas; strategy=model_parallel "
-           "normalises each micro-batch on its own (as GPipe does); drop sync_batch_norm")
+    _check(not c.augment, f"augment is not available with strategy={name} (its input pipeline has no "
+           "augmentation); drop --augment, or use a data-parallel strategy")
+    _check(c.precision == "float32" and not c.jit_compile, f"precision and jit_compile are not available with "
+           f"strategy={name} (its step is its own); use precision=float32 and no jit_compile")
+    _check(c.nan_policy == "stop", f"nan_policy=skip drops a step on every replica at once; strategy={name} has no "
+           "such step (use nan_policy=stop)")
+    if mode == PIPELINE:
+        _check(c.batch_size % c.microbatches == 0, f"batch_size={c.batch_size} does not split into microbatches="
+               f"{c.microbatches} equal micro-batches; choose a batch_size that is a multiple of microbatches")
+        _check(not c.sync_batch_norm, "sync_batch_norm synchronises tf.distribute replicas; strategy=model_parallel "
+               "normalises each micro-batch on its own (as GPipe does); drop sync_batch_norm")
+        return
+    _check(c.model == "convnet", f"model={c.model} is not available with strategy=parameter_server, which "
+           "trains the ConvNet; use model=convnet")
+    _check(not c.sync_batch_norm, "sync_batch_norm needs replicas that step together; parameter_server updates "
+           "asynchronously")
+    for option in ("profile_steps", "checkpoint_every_steps"):
+        _check(getattr(c, option) is None, f"{option} is not available with strategy=parameter_server (it saves "
+               "after each epoch and on a signal); drop it")
 
 
 def _can_create(path: str) -> bool:

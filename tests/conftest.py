@@ -19,6 +19,7 @@ tf.config.set_logical_device_configuration(
 assert len(tf.config.list_logical_devices("CPU")) == NUM_VIRTUAL_CPUS  # initialises the runtime now
 
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: where benchmarks/ is
 
 
 def write_idx(path, array):
@@ -89,7 +90,7 @@ def pytest_unconfigure(config):
     on each of them until its autotune thread wakes (see gpupar.teardown): minutes for a whole
     suite. Nothing is left to flush by then.
     """
-    from gpupar.teardown import exit_without_teardown
+    from gpupar.runtime.teardown import exit_without_teardown
 
     exit_without_teardown(_exit_status)
 
@@ -98,7 +99,7 @@ def pytest_unconfigure(config):
 def slow_host_warp(monkeypatch):
     """Host augmentation made slow: 4 ms per image, a second per 256-image batch (half that on two
     threads), far more than a step takes even when another test shares the cores."""
-    from gpupar import augment
+    from gpupar.data import augment
 
     def warp(image, transform):
         time.sleep(0.004)

@@ -5,8 +5,9 @@ import pytest
 import tensorflow as tf
 
 from conftest import synthetic_digits
-from gpupar import augment, data
-from gpupar.strategy import build_strategy, detected_plan
+from gpupar.data import augment
+from gpupar.data import mnist, pipeline
+from gpupar.runtime.strategy import build_strategy, detected_plan
 
 
 def _images(num, seed=1):
@@ -36,7 +37,7 @@ def test_host_pipeline_and_device_step_give_the_same_distribution():
     digit = synthetic_digits(1, 5)[0][0]
     count = 1024
     images, labels = np.repeat(digit[np.newaxis], count, axis=0), np.zeros(count, np.uint8)
-    host_batch, _ = next(iter(data.train_dataset(images, labels, count, seed=0, augment_on_host=True)))
+    host_batch, _ = next(iter(pipeline.train_dataset(images, labels, count, seed=0, augment_on_host=True)))
     plain = tf.cast(images, tf.float32)[..., tf.newaxis] / 255.0
     device_batch = augment.random_affine(plain, augment.device_seed(0, tf.constant(5)))
     host, device, original = _features(host_batch.numpy()), _features(device_batch.numpy()), _features(plain.numpy())
@@ -49,9 +50,9 @@ def test_host_pipeline_and_device_step_give_the_same_distribution():
 
 def test_host_warps_differ_per_example_and_repeat_for_the_same_seed():
     images, labels = synthetic_digits(64, 1)
-    first = next(iter(data.train_dataset(images, labels, 64, seed=0, augment_on_host=True)))[0].numpy()
-    again = next(iter(data.train_dataset(images, labels, 64, seed=0, augment_on_host=True)))[0].numpy()
-    plain = next(iter(data.train_dataset(images, labels, 64, seed=0)))[0].numpy()
+    first = next(iter(pipeline.train_dataset(images, labels, 64, seed=0, augment_on_host=True)))[0].numpy()
+    again = next(iter(pipeline.train_dataset(images, labels, 64, seed=0, augment_on_host=True)))[0].numpy()
+    plain = next(iter(pipeline.train_dataset(images, labels, 64, seed=0)))[0].numpy()
     np.testing.assert_array_equal(first, again)
     assert not np.allclose(first, plain)
 

@@ -1,4 +1,4 @@
-"""`gpupar bench` in quick mode, as fresh processes on a small synthetic IDX folder; its pure parts."""
+"""benchmarks/bench.py in quick mode, as fresh processes on a small synthetic IDX folder; its pure parts."""
 
 import json
 import subprocess
@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from conftest import make_idx_dir
-from gpupar import bench
+from benchmarks import bench
+from conftest import ROOT, make_idx_dir
 
 
 def test_configurations_cover_fit_default_and_tuned_and_each_option_alone():
@@ -34,10 +34,10 @@ def test_quick_benchmark_writes_the_table_json_and_plot(tmp_path):
     folder = make_idx_dir(tmp_path / "data")
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     done = subprocess.run(
-        [sys.executable, "-m", "gpupar", "bench", f"--data_dir={folder}", f"--json={out}", f"--plot={png}",
+        [sys.executable, "-m", "benchmarks.bench", f"--data_dir={folder}", f"--json={out}", f"--plot={png}",
          "--replicas=1,2", "--only=^(gpupar|model.fit|TF1 tower code)$", "--steps=2", "--repeats=2", "--batch_size=16",
          "--accuracy_target=0"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -70,11 +70,13 @@ def test_time_to_accuracy_stops_at_the_target(tmp_path):
     assert result["seconds"] > result["training_seconds"] > 0
 
 
-@pytest.mark.parametrize("flag, message", [
-    ("--data_dir=/nonexistent", "is not a folder"), ("--replicas=1,x", "give replica counts"),
-    ("--steps=0", "must be at least 1"), ("--only=(", "not a regular expression"),
-    ("--accuracy_target=2", "an accuracy in [0, 1]"),
+@pytest.mark.parametrize("flag, status, message", [
+    ("--data_dir=/nonexistent", 2, "is not a folder"), ("--replicas=1,x", 2, "give replica counts"),
+    ("--steps=0", 1, "flag --steps=0: 0 is not a positive integer"), ("--only=(", 2, "not a regular expression"),
+    ("--accuracy_target=2", 1, "flag --accuracy_target=2: 2.0 is not a number in the range [0, 1]"),
 ])
-def test_bad_flags_fail_before_any_work(flag, message):
-    done = subprocess.run([sys.executable, "-m", "gpupar", "bench", flag], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and message in done.stderr, done.stderr
+def test_bad_flags_fail_before_any_work(flag, status, message):
+    done = subprocess.run([sys.executable, "benchmarks/bench.py", flag], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert done.returncode == status and message in done.stderr, done.stderr
+    assert "[bench] starting" not in done.stdout

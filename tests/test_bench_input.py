@@ -4,16 +4,16 @@ import json
 import subprocess
 import sys
 
-from conftest import make_idx_dir
+from conftest import ROOT, make_idx_dir
 
 
 def test_quick_input_benchmark_measures_every_placement(tmp_path):
     folder = make_idx_dir(tmp_path / "data")
     out = tmp_path / "b.json"
     done = subprocess.run(
-        [sys.executable, "-m", "gpupar.bench_input", "--data_dir", folder, "--json", str(out),
+        [sys.executable, "-m", "benchmarks.input", "--data_dir", folder, "--json", str(out),
          "--steps=4", "--repeats=1", "--batch_size=32"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -7,8 +7,8 @@ import pytest
 import tensorflow as tf
 
 import gpupar
-from gpupar import bottleneck
-from gpupar.bottleneck import InputWait
+from gpupar.monitor import bottleneck
+from gpupar.monitor.bottleneck import InputWait
 from gpupar.config import Config
 from conftest import make_idx_dir
 
@@ -82,7 +82,7 @@ def test_device_augmentation_trains_and_is_not_input_bound(idx_dir, capsys):
 
 
 def _timed_call(iterator, batch_step, steps):
-    from gpupar.train import steps_in_one_call
+    from gpupar.training.steps import steps_in_one_call
 
     run = steps_in_one_call(batch_step, timed=True)
     [float(t) for t in run(iterator, tf.constant(2), tf.constant(True))]  # traces
@@ -119,7 +119,7 @@ def test_slow_input_shows_as_waiting():
 def test_the_steps_of_a_call_do_not_overlap():
     # Otherwise TensorFlow's while loop starts a step's get_next while the step before still runs,
     # and counts that running as waiting (two replicas on an in-memory pipeline read 50% "wait").
-    from gpupar.train import steps_in_one_call
+    from gpupar.training.steps import steps_in_one_call
 
     run = steps_in_one_call(lambda batch: (tf.reduce_sum(batch), tf.constant(0.0)), timed=True)
     iterator = iter(tf.data.Dataset.from_tensors(tf.ones([4])).repeat())

@@ -89,7 +89,7 @@ def test_unknown_flag_and_bad_type_fail_before_any_work():
 
 def test_stray_argument_is_an_error():
     result = _gpupar("train")
-    assert result.returncode == 2 and "unexpected argument 'train'; commands are devices, plot" in result.stderr
+    assert result.returncode == 2 and "unexpected argument 'train'; commands are devices, diagnose, plot, launch" in result.stderr
 
 
 def test_training_failure_is_one_line_and_exit_1(idx_dir):
@@ -110,3 +110,38 @@ def test_cli_trains_and_writes_metrics_json(shared_idx_dir, tmp_path):
     saved = json.loads(metrics.read_text())
     assert saved["replicas"] == 2 and saved["global_batch"] == 32
     assert [r["epoch"] for r in saved["history"]] == [0, 1] and saved["checkpoint"].endswith("ckpt-2")
+
+
+def _merged_output(*args, **env):
+    clean = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    return subprocess.run([sys.executable, "-m", "gpupar", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300, env={**clean, **env})
+
+
+def test_a_plain_run_starts_with_gpupars_own_lines(shared_idx_dir):
+    run = [f"--data_dir={shared_idx_dir}", "--epochs=1", "--steps_per_epoch=1", "--batch_size=16", "--nosave"]
+    quiet = _merged_output(*run)
+    assert quiet.returncode == 0, quiet.stdout[-2000:]
+    assert quiet.stdout.splitlines()[0].startswith("strategy: OneDeviceStrategy"), quiet.stdout[:2000]
+    # absl's --verbosity brings TensorFlow's start-up lines back.
+    loud = _merged_output(*run, "--verbosity=0")
+    lines = loud.stdout.splitlines()
+    assert loud.returncode == 0 and not lines[0].startswith("strategy: ")
+    assert any(line.startswith("strategy: ") for line in lines)
+
+
+def test_a_failed_start_shows_what_tensorflow_said(tmp_path):
+    """The held start-up lines are shown when TensorFlow cannot start (here: it is not importable)."""
+    (tmp_path / "tensorflow").mkdir()
+    (tmp_path / "tensorflow" / "__init__.py").write_text(
+        "import sys\nsys.stderr.write('tensorflow says: broken install\\n')\nraise ImportError('no TensorFlow')\n")
+    result = _merged_output("--epochs=1", PYTHONPATH=str(tmp_path))
+    assert result.returncode != 0 and "tensorflow says: broken install" in result.stdout
+
+
+def test_the_flags_page_is_current():
+    """docs/flags.md is generated from Config (make docs): a field or help text changed without it fails here."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "flags.md")) as f:
+        assert f.read() == cli.flags_markdown(), "docs/flags.md is stale: run make docs"
+    assert all(f"`--{name}" in cli.flags_markdown() or f"`--[no]{name}`" in cli.flags_markdown()
+               for name in ("epochs", "save", "model_dir", "microbatches", "workers"))

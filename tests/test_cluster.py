@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from gpupar.cluster import detect_cluster, parse_tf_config, tf_config
+from gpupar.runtime.cluster import detect_cluster, parse_tf_config, tf_config
 from gpupar.errors import GpuparError
-from gpupar.launch import loopback_cluster, parse_args
-from gpupar.strategy import plan_strategy
+from gpupar.runtime.launch import loopback_cluster
+from gpupar.runtime.strategy import plan_strategy
 
 TWO_WORKERS = {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]}
 PS_CLUSTER = {"chief": ["h0:2222"], "worker": ["h1:2222", "h2:2222"], "ps": ["h3:2222"]}
@@ -135,11 +135,32 @@ def test_launcher_cluster_is_on_loopback_with_distinct_ports():
     assert set(loopback_cluster(3, 0)) == {"worker"}
 
 
-def test_launcher_splits_its_arguments_from_the_tasks_flags():
-    args, flags = parse_args(["--workers=3", "--ps=1", "--", "--epochs=2", "--workers_note"])
-    assert (args.workers, args.ps, args.restarts) == (3, 1, 0) and flags == ["--epochs=2", "--workers_note"]
-    with pytest.raises(SystemExit):
-        parse_args(["--workers=0"])
+def test_launch_takes_its_own_flags_and_gives_the_rest_to_every_task(monkeypatch):
+    from gpupar import cli
+    from gpupar.runtime import launch
+
+    started = []
+    monkeypatch.setattr(launch, "launch", lambda *args: started.append(args) or 0)
+    cli.FLAGS.unparse_flags()
+    argv = cli.FLAGS(["gpupar", "launch", "--workers=3", "--ps=1", "--", "--epochs=2", "--model_dir=runs/x"])
+    try:
+        assert cli.main(argv) == 0
+        assert started == [(3, 1, 0, ["--epochs=2", "--model_dir=runs/x"])]
+        cli.FLAGS.unparse_flags()
+        argv = cli.FLAGS(["gpupar", "launch", "--epochs=2"])
+        assert cli.main(argv) == 2 and len(started) == 1  # a training flag before --: refused, nothing started
+    finally:
+        cli.FLAGS.unparse_flags()
+
+
+def test_launch_refuses_a_bad_count_before_starting_anything():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "gpupar", "launch", "--workers=0", "--", "--epochs=1"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "flag --workers=0: 0 is not a positive integer" in result.stderr
+    assert result.stdout == ""
 
 
 @pytest.mark.parametrize("rank, task", [(0, "chief:0"), (1, "ps:0"), (2, "worker:0"), (3, "worker:1")])

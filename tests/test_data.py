@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from gpupar import data
+from gpupar.data import mnist, pipeline
 from gpupar.errors import GpuparError
 
 IMAGES = np.arange(40 * 28 * 28, dtype=np.int64).reshape(40, 28, 28) % 251
@@ -17,41 +17,41 @@ def _labels_of(ds, n):
 
 
 def test_batches_are_normalised_and_full():
-    images, labels = next(iter(data.train_dataset(IMAGES.astype(np.uint8), LABELS, 8, seed=0)))
+    images, labels = next(iter(pipeline.train_dataset(IMAGES.astype(np.uint8), LABELS, 8, seed=0)))
     assert images.shape == (8, 28, 28, 1) and images.dtype == tf.float32
     assert 0.0 <= float(tf.reduce_min(images)) and float(tf.reduce_max(images)) <= 1.0
 
 
 def test_each_pass_is_a_new_permutation_of_every_example():
-    batches = _labels_of(data.train_dataset(IMAGES.astype(np.uint8), LABELS, 8, seed=0), 10)
+    batches = _labels_of(pipeline.train_dataset(IMAGES.astype(np.uint8), LABELS, 8, seed=0), 10)
     first, second = sum(batches[:5], []), sum(batches[5:], [])
     assert sorted(first) == sorted(second) == list(range(40))
     assert first != second
 
 
 def test_order_depends_on_the_seed():
-    ds = lambda seed: data.train_dataset(IMAGES.astype(np.uint8), LABELS, 8, seed=seed)  # noqa: E731
+    ds = lambda seed: pipeline.train_dataset(IMAGES.astype(np.uint8), LABELS, 8, seed=seed)  # noqa: E731
     assert _labels_of(ds(0), 3) == _labels_of(ds(0), 3) != _labels_of(ds(1), 3)
 
 
 def test_resumed_stream_continues_where_the_run_stopped():
-    full = _labels_of(data.train_dataset(IMAGES.astype(np.uint8), LABELS, 8, seed=3), 17)
-    resumed = _labels_of(data.train_dataset(IMAGES.astype(np.uint8), LABELS, 8, seed=3, start_step=7), 10)
+    full = _labels_of(pipeline.train_dataset(IMAGES.astype(np.uint8), LABELS, 8, seed=3), 17)
+    resumed = _labels_of(pipeline.train_dataset(IMAGES.astype(np.uint8), LABELS, 8, seed=3, start_step=7), 10)
     assert resumed == full[7:]
 
 
 def test_global_batch_larger_than_the_data_is_a_clear_error():
     with pytest.raises(GpuparError, match="fewer than one global batch of 64"):
-        data.train_dataset(IMAGES.astype(np.uint8), LABELS, 64, seed=0)
+        pipeline.train_dataset(IMAGES.astype(np.uint8), LABELS, 64, seed=0)
 
 
 @pytest.mark.parametrize("devices", [["/cpu:0"], ["/cpu:0", "/cpu:1", "/cpu:2"]])
 def test_test_pass_covers_every_example_once_partial_batch_included(devices):
     strategy = tf.distribute.MirroredStrategy(devices)
     global_batch = 6 * len(devices)
-    ds = data.test_dataset(IMAGES.astype(np.uint8), LABELS, global_batch)
+    ds = pipeline.test_dataset(IMAGES.astype(np.uint8), LABELS, global_batch)
     it = iter(strategy.experimental_distribute_dataset(ds))
-    steps = data.test_steps(len(LABELS), global_batch)
+    steps = pipeline.test_steps(len(LABELS), global_batch)
     for _ in range(2):  # the same persistent iterator serves every evaluation
         seen = []
         for _ in range(steps):
@@ -62,7 +62,7 @@ def test_test_pass_covers_every_example_once_partial_batch_included(devices):
 
 def test_tfds_source_under_mock_data():
     with tfds.testing.mock_data(num_examples=24):
-        splits = data.load_splits("mnist")
+        splits = mnist.load_splits("mnist")
     assert splits.train_images.shape == (24, 28, 28) and splits.train_images.dtype == np.uint8
     assert splits.test_labels.shape == (24,) and splits.test_labels.dtype == np.int32
 
@@ -70,5 +70,5 @@ def test_tfds_source_under_mock_data():
 def test_tfds_failure_says_how_to_use_local_files(tmp_path, monkeypatch):
     monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path))
     with pytest.raises(GpuparError) as e:
-        data.load_tfds("mnist", download=False)
+        mnist.load_tfds("mnist", download=False)
     assert "could not load TFDS dataset 'mnist'" in str(e.value) and "--data_dir" in str(e.value)

@@ -3,7 +3,7 @@
 import pytest
 
 from gpupar.config import Config
-from gpupar.devices import configure_devices, plan_devices, plan_threads
+from gpupar.runtime.devices import configure_devices, plan_devices, plan_threads
 from gpupar.errors import GpuparError
 
 
@@ -69,7 +69,7 @@ THREADS = """
 import os, sys
 import tensorflow as tf
 from gpupar.config import Config
-from gpupar.devices import configure_devices, plan_threads
+from gpupar.runtime.devices import configure_devices, plan_threads
 configure_devices(Config(virtual_cpus=2))
 expected = plan_threads(len(os.sched_getaffinity(0)), 0, 2)
 actual = (tf.config.threading.get_intra_op_parallelism_threads(), tf.config.threading.get_inter_op_parallelism_threads())

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import make_idx_dir
 from gpupar.config import Config
-from gpupar.diagnose import diagnose
+from gpupar.monitor.diagnose import diagnose
 from gpupar.errors import GpuparError
 
 
@@ -68,7 +68,7 @@ def test_cli_bad_flag_fails_before_any_work(idx_dir):
     ((20_000, 5_000, 2_000), (True, "input pipeline sharing the CPU with the step")),
 ])
 def test_the_verdict_follows_from_the_three_rates(rates, expected):
-    from gpupar.diagnose import verdict
+    from gpupar.monitor.diagnose import verdict
 
     assert verdict(*rates) == expected
 
@@ -81,7 +81,7 @@ def test_virtual_cpus_say_what_the_input_wait_cannot_tell(idx_dir):
 
 
 def test_the_input_bound_warning_names_gpu_signs_only_on_gpus():
-    from gpupar.bottleneck import InputWait, warning
+    from gpupar.monitor.bottleneck import InputWait, warning
 
     wait = InputWait(waited=3.0, busy=1.0, steps=10)
     assert "GPU-Util" not in warning(wait, Config()) and "GPU-Util near 0%" in warning(wait, Config(), gpus=True)

@@ -11,7 +11,7 @@ import pytest
 import gpupar
 from conftest import FASHION_MNIST
 from gpupar.errors import GpuparError
-from gpupar.outputs import plan_outputs
+from gpupar.training.outputs import plan_outputs
 from upstream_files import UpstreamProxy
 
 
@@ -164,7 +164,7 @@ def test_an_array_in_an_option_is_quoted_by_type_and_shape():
 
 
 def test_the_plot_has_whole_epochs_labels_and_a_title():
-    from gpupar.plot import draw_history
+    from gpupar.monitor.plot import draw_history
 
     history = [{"epoch": e, "train_loss": 1.0 / (e + 1), "train_accuracy": 0.5, "test_accuracy": 0.6,
                 "images_per_second": 1000.0} for e in range(3)]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import make_idx_dir, write_idx
-from gpupar import idx
+from gpupar.data import idx
 from gpupar.errors import GpuparError
 
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gpupar.model import ReplicaDropout, XlaBatchNormalization, build_convnet, replica_consistent_state
+from gpupar.models.convnet import build_convnet
+from gpupar.models.layers import ReplicaDropout, XlaBatchNormalization, replica_consistent_state
 
 
 def test_convnet_shapes_and_l2_in_the_loss():

@@ -12,9 +12,11 @@ from tensorflow.python.eager import context
 
 import gpupar
 from gpupar.errors import GpuparError
-from gpupar.model import build_convnet, build_lstm, layer_stages
-from gpupar.model_parallel import Pipeline, make_train_function
-from gpupar.stages import plan_stages
+from gpupar.models.convnet import build_convnet
+from gpupar.models.lstm import build_lstm
+from gpupar.models.sequential import layer_stages
+from gpupar.training.pipeline import Pipeline, make_train_function
+from gpupar.runtime.stages import plan_stages
 
 CPUS = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
 GPUS = [f"/gpu:{i}" for i in range(8)]
@@ -52,7 +54,7 @@ def test_fewer_devices_than_stages_is_an_error():
     [
         (dict(microbatches=4), "microbatches=4 pipelines the stages of strategy=model_parallel"),
         (dict(strategy="model_parallel", batch_size=30, microbatches=4), "batch_size=30 does not split"),
-        (dict(strategy="model_parallel", nan_policy="skip"), "nan_policy=skip is not available"),
+        (dict(strategy="model_parallel", nan_policy="skip"), "nan_policy=skip drops a step on every replica at once"),
         (dict(strategy="model_parallel", sync_batch_norm=True), "normalises each micro-batch"),
         (dict(model="resnet"), "model='resnet' is unknown; choose one of: convnet, lstm"),
         (dict(lstm_layers=0), "lstm_layers=0: must be a whole number > 0"),
@@ -249,7 +251,7 @@ def test_checkpoints_move_between_split_and_unsplit_models(shared_idx_dir, tmp_p
 
 
 def test_pipeline_benchmark_reports_m1_and_m4_on_one_and_several_devices(shared_idx_dir):
-    from gpupar import bench_pipeline
+    from benchmarks import pipeline as bench_pipeline
 
     report = bench_pipeline.benchmark(shared_idx_dir, batch_size=16, steps=1, repeats=1, lstm_units=8,
                                       names=("lstm-2",), probe_seconds=0.01)

@@ -6,7 +6,8 @@ import os
 import gpupar
 import pytest
 
-from gpupar.profiling import ProfileWindow, op_seconds
+from benchmarks.ops import op_seconds
+from gpupar.monitor.profiling import ProfileWindow
 
 
 def test_calls_are_cut_at_the_window_edges():

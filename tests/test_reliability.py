@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import gpupar
-from gpupar.checkpoint import WITHIN_EPOCH
+from gpupar.training.checkpoint import WITHIN_EPOCH
 from gpupar.errors import GpuparError
 
 # Deterministic: no dropout, fixed seed, data order fixed by (seed, step).
@@ -94,7 +94,7 @@ def test_sigterm_saves_exits_143_and_resume_finishes(shared_idx_dir, tmp_path, r
 def test_second_signal_exits_at_once_without_saving():
     script = (
         "import os, signal, time\n"
-        "from gpupar.interrupt import StopRequests\n"
+        "from gpupar.training.interrupt import StopRequests\n"
         "with StopRequests() as stop:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    time.sleep(0.2)\n"
@@ -164,25 +164,26 @@ def _poison_every_third_batch(monkeypatch):
     """Makes the images of every batch whose label sum is a multiple of 3 NaN (a poisoned batch)."""
     import tensorflow as tf
 
-    from gpupar import data
+    from gpupar.data import mnist, pipeline
 
-    normalise = data._normalise
+    normalise = pipeline._normalise
 
     def poisoned(images, labels):
         images, labels = normalise(images, labels)
         bad = tf.equal(tf.reduce_sum(labels) % 3, 0) & tf.greater(tf.shape(labels)[0], 16)
         return tf.where(bad, tf.constant(float("nan")), images), labels
 
-    monkeypatch.setattr(data, "_normalise", poisoned)
+    monkeypatch.setattr(pipeline, "_normalise", poisoned)
 
 
 def _poisoned_per_epoch(idx_dir, epochs, global_batch):
     """How many of each epoch's batches the poison hits, read from the pipeline itself."""
-    from gpupar import data, idx
+    from gpupar.data import mnist, pipeline
+    from gpupar.data import idx
 
     splits = idx.load_idx_dir(idx_dir)
     per_epoch = len(splits.train_labels) // global_batch
-    ds = data.train_dataset(splits.train_images, splits.train_labels, global_batch, seed=0)
+    ds = pipeline.train_dataset(splits.train_images, splits.train_labels, global_batch, seed=0)
     hits = [int(np.isnan(x.numpy()).any()) for x, _ in ds.take(epochs * per_epoch)]
     return [sum(hits[e * per_epoch:(e + 1) * per_epoch]) for e in range(epochs)]
 
@@ -202,10 +203,11 @@ def test_nan_policy_skip_drops_poisoned_steps_and_keeps_training(shared_idx_dir,
 @pytest.mark.parametrize("steps_per_call", [1, None])
 def test_nan_policy_stop_names_epoch_and_step(shared_idx_dir, monkeypatch, tmp_path, steps_per_call):
     _poison_every_third_batch(monkeypatch)
-    from gpupar import data, idx
+    from gpupar.data import mnist, pipeline
+    from gpupar.data import idx
 
     splits = idx.load_idx_dir(shared_idx_dir)
-    batches = data.train_dataset(splits.train_images, splits.train_labels, 32, seed=0).take(8)
+    batches = pipeline.train_dataset(splits.train_images, splits.train_labels, 32, seed=0).take(8)
     first_bad = 1 + [bool(np.isnan(x.numpy()).any()) for x, _ in batches].index(True)
     # One step per call names the step; by default a call is the whole 8-step epoch here (display_step
     # capped at the epoch), and the host only sees its sum.
@@ -246,16 +248,16 @@ def test_many_skipped_steps_do_not_wear_out_the_loss_scale(shared_idx_dir, monke
     """Each skip halves Keras' loss scale; unreset, it reaches 0 after ~150 skips and every step fails."""
     import tensorflow as tf
 
-    from gpupar import data
+    from gpupar.data import mnist, pipeline
 
-    normalise = data._normalise
+    normalise = pipeline._normalise
 
     def mostly_poisoned(images, labels):
         images, labels = normalise(images, labels)
         bad = tf.not_equal(tf.reduce_sum(labels) % 5, 0)
         return tf.where(bad, tf.constant(float("nan")), images), labels
 
-    monkeypatch.setattr(data, "_normalise", mostly_poisoned)
+    monkeypatch.setattr(pipeline, "_normalise", mostly_poisoned)
     result = _fit(shared_idx_dir, epochs=16, nan_policy="skip", display_step=16)
     skipped = sum(r.skipped_steps for r in result.history)
     assert 160 < skipped < 256  # most, not all, of the 256 steps: past where an unreset scale is 0

@@ -3,8 +3,8 @@
 import tensorflow as tf
 from tensorflow.python.framework import ops
 
-from gpupar.model import build_convnet
-from gpupar.roofline import matmul_flops_per_second, training_flops_per_example
+from gpupar.models.convnet import build_convnet
+from benchmarks.roofline import matmul_flops_per_second, training_flops_per_example
 
 MATRIX_OPS = ("Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "MatMul")
 

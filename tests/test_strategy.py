@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from gpupar.errors import GpuparError
-from gpupar.strategy import build_strategy, make_strategy, plan_strategy, short_name
+from gpupar.runtime.strategy import build_strategy, make_strategy, plan_strategy, short_name
 
 GPU = lambda n: [f"/job:localhost/replica:0/task:0/device:GPU:{i}" for i in range(n)]  # noqa: E731
 CPU = lambda n: [f"/device:CPU:{i}" for i in range(n)]  # noqa: E731

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from gpupar.model import build_convnet
-from gpupar.towers import TowerTrainer, tower_devices
+from gpupar.models.convnet import build_convnet
+from benchmarks.towers import TowerTrainer, tower_devices
 
 
 def test_towers_go_to_gpus_when_there_are_enough_else_to_cpu_devices():

@@ -4,8 +4,8 @@ import logging
 import time
 import types
 
-from gpupar import utilisation
-from gpupar.utilisation import GpuSample
+from gpupar.monitor import utilisation
+from gpupar.monitor.utilisation import GpuSample
 
 
 def test_decision_says_why_nothing_is_sampled():

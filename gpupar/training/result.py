@@ -3,7 +3,7 @@
 import dataclasses
 import json
 import os
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from gpupar.errors import GpuparError
 
@@ -21,10 +21,11 @@ class EpochRecord:
       images_per_second: Training images per second over the epoch.
       steps: Training steps in the epoch (with those of an earlier run, when it resumed mid-epoch).
       skipped_steps: Steps dropped for a non-finite loss or gradient (nan_policy=skip).
-      input_wait_fraction: Share of step time spent waiting for input batches (see gpupar.bottleneck).
+      input_wait_fraction: Share of step time spent waiting for input batches (see gpupar.monitor.bottleneck).
       gpu_util_percent: Mean NVML GPU-Util over the epoch and the GPUs; None where not sampled.
       gpu_memory_used_mb: Highest GPU memory in use on any GPU in the epoch; None where not sampled.
       resumed_at_step: The step this run resumed the epoch at (its sums carried over); 0 when it ran the whole epoch.
+      updates_by_worker: Steps each worker applied, by worker index (parameter servers); None otherwise.
     """
 
     epoch: int
@@ -39,6 +40,7 @@ class EpochRecord:
     gpu_util_percent: Optional[float] = None
     gpu_memory_used_mb: Optional[float] = None
     resumed_at_step: int = 0
+    updates_by_worker: Optional[Dict[str, int]] = None
 
 
 @dataclasses.dataclass

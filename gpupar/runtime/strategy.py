@@ -9,7 +9,7 @@ import logging
 import sys
 from typing import Optional, Sequence, Tuple
 
-from gpupar.cluster import Cluster
+from gpupar.runtime.cluster import Cluster
 from gpupar.config import CROSS_DEVICE_OPS, MODEL_PARALLEL, STRATEGIES
 from gpupar.errors import GpuparError
 
@@ -108,6 +108,22 @@ def plan_strategy(
 
     With a cluster (from TF_CONFIG or SLURM), auto picks parameter_server when it has ps tasks
     and multi_worker_mirrored otherwise; the one-machine kinds are refused.
+
+    Args:
+      kind: auto, one_device, mirrored, central_storage, multi_worker_mirrored or parameter_server.
+      gpus: The logical GPUs' names, e.g. ["/gpu:0", "/gpu:1"] (fake ones in tests).
+      cpus: The logical CPUs' names.
+      devices: Devices to use instead of detection.
+      cross_device_ops: auto, nccl, hierarchical_copy or reduction_to_one_device.
+      platform: sys.platform of the machine (NCCL is Linux's).
+      cluster: The cluster this process is a task of, or None.
+
+    Returns:
+      The Plan: kind, devices, all-reduce, and why.
+
+    Raises:
+      GpuparError: an unknown kind or all-reduce, devices that are not there, or a kind that does
+        not fit the devices or the cluster; the message lists what would.
     """
     if kind == MODEL_PARALLEL:
         raise GpuparError(
@@ -125,30 +141,34 @@ def plan_strategy(
     cpus = [short_name(d) for d in cpus]
     if cluster is not None or kind in CLUSTER_KINDS:
         return _plan_cluster(kind, gpus, cross_device_ops, platform, cluster, devices)
-    if devices:
-        chosen = [short_name(d) for d in devices]
-        missing = [d for d in chosen if d not in gpus + cpus]
-        if missing:
-            raise GpuparError(
-                f"device {missing[0]} does not exist here; available: {', '.join(gpus + cpus)}"
-            )
-        if len(set(chosen)) != len(chosen):
-            raise GpuparError(f"devices={','.join(chosen)} names a device twice")
-        source = "devices given"
-    elif gpus:
-        chosen, source = gpus, f"{len(gpus)} GPU(s) found"
-    else:
-        chosen = cpus
-        source = f"no GPU found, {len(cpus)} virtual CPUs" if len(cpus) > 1 else "no GPU found"
-
+    chosen, source = _local_devices(gpus, cpus, devices)
     if kind == "auto":
         kind = "mirrored" if len(chosen) > 1 else "one_device"
         reason = f"auto: {source}"
     else:
         reason = f"asked for {kind}: {source}"
+    return _plan_local(kind, chosen, bool(devices), cross_device_ops, platform, reason)
 
+
+def _local_devices(gpus, cpus, devices):
+    """(the devices a one-machine strategy runs on, where they came from)."""
+    if devices:
+        chosen = [short_name(d) for d in devices]
+        missing = [d for d in chosen if d not in gpus + cpus]
+        if missing:
+            raise GpuparError(f"device {missing[0]} does not exist here; available: {', '.join(gpus + cpus)}")
+        if len(set(chosen)) != len(chosen):
+            raise GpuparError(f"devices={','.join(chosen)} names a device twice")
+        return chosen, "devices given"
+    if gpus:
+        return gpus, f"{len(gpus)} GPU(s) found"
+    return cpus, f"no GPU found, {len(cpus)} virtual CPUs" if len(cpus) > 1 else "no GPU found"
+
+
+def _plan_local(kind, chosen, given, cross_device_ops, platform, reason):
+    """The Plan of a one-machine kind on the chosen devices (all of them when `given`)."""
     if kind == "one_device":
-        if not devices:
+        if not given:
             chosen = chosen[:1]
         if len(chosen) != 1:
             raise GpuparError(
@@ -230,8 +250,25 @@ def _choose_all_reduce(requested, devices, platform):
     return requested
 
 
+def check_jit_compile(jit_compile: bool, plan: Plan):
+    """Refuses jit_compile where tf.distribute cannot compile the step: more than one replica."""
+    if jit_compile and plan.num_replicas > 1:
+        raise GpuparError(f"jit_compile needs one replica, and this run has {plan.num_replicas} (XLA cannot compile "
+                          "tf.distribute's all-reduce and cross-replica updates); drop jit_compile or use one device")
+
+
 def build_strategy(plan: Plan):
-    """Creates the tf.distribute.Strategy a Plan describes."""
+    """Creates the tf.distribute.Strategy a Plan describes.
+
+    Args:
+      plan: From plan_strategy.
+
+    Returns:
+      The strategy.
+
+    Raises:
+      GpuparError: a cluster strategy that TensorFlow, already started, cannot join.
+    """
     import tensorflow as tf
 
     if plan.kind in CLUSTER_KINDS:
@@ -310,11 +347,22 @@ def detected_plan(kind="auto", devices=None, cross_device_ops="auto", max_cpus=N
 
 
 def make_strategy(kind="auto", devices=None, cross_device_ops="auto"):
-    """Returns the tf.distribute.Strategy for this machine's devices (or cluster), and logs the choice.
+    """The tf.distribute.Strategy for this machine's devices (or cluster); logs the choice.
 
     The cluster comes from TF_CONFIG or SLURM; call this first thing in each task.
+
+    Args:
+      kind: As plan_strategy's.
+      devices: Devices to use instead of detection.
+      cross_device_ops: As plan_strategy's.
+
+    Returns:
+      The strategy, built.
+
+    Raises:
+      GpuparError: as plan_strategy, and when a cluster strategy cannot join its cluster.
     """
-    from gpupar.cluster import detect_cluster
+    from gpupar.runtime.cluster import detect_cluster
 
     plan = detected_plan(kind, devices, cross_device_ops, cluster=detect_cluster())
     log.info(plan.describe())

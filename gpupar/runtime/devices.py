@@ -57,8 +57,21 @@ def plan_devices(
 ) -> DevicePlan:
     """Decides the runtime settings for a machine with `num_gpus` physical GPUs and `cores` CPU cores.
 
-    `gpu_memory_mb` gives each physical GPU's total memory (None where unknown); it is only
-    needed for `memory_fraction`. Thread counts given as None are chosen by plan_threads.
+    Args:
+      num_gpus: Physical GPUs on the machine (fake counts in tests).
+      gpus: GPU indices to keep visible; None for all.
+      memory_growth, memory_limit_mb, memory_fraction: GPU memory, as the Config fields say.
+      virtual_cpus: Logical CPU devices to make, or None.
+      soft_placement, log_placement: As the Config fields say.
+      gpu_memory_mb: Each physical GPU's total memory (None where unknown); only memory_fraction needs it.
+      cores: CPU cores this process may use.
+      intra_op_threads, inter_op_threads: Thread counts; None lets plan_threads choose.
+
+    Returns:
+      The DevicePlan, with a message for each setting that has no effect here.
+
+    Raises:
+      GpuparError: a GPU index that does not exist, or a fraction of a GPU whose size is unknown.
     """
     ignored = []
     intra, inter = plan_threads(cores, num_gpus, virtual_cpus, intra_op_threads, inter_op_threads)
@@ -152,7 +165,16 @@ def configure_devices(config) -> DevicePlan:
     """Applies the device fields of a Config to TensorFlow; call it before any other TF work.
 
     If TensorFlow has already set up its devices, a request it can still honour (the same or
-    fewer virtual CPUs, no GPU change) is accepted; anything else is a GpuparError.
+    fewer virtual CPUs, no GPU change) is accepted.
+
+    Args:
+      config: A gpupar.Config.
+
+    Returns:
+      The DevicePlan that was applied.
+
+    Raises:
+      GpuparError: as plan_devices, or a change TensorFlow, already started, can no longer make.
     """
     import tensorflow as tf
 

@@ -13,7 +13,6 @@ the others; with --restarts=N the whole cluster is started again, up to N times,
 period. Every process it started is gone when it returns.
 """
 
-import argparse
 import dataclasses
 import os
 import signal
@@ -24,7 +23,7 @@ import threading
 import time
 from typing import Dict, List, Optional
 
-from gpupar.cluster import Cluster, tf_config
+from gpupar.runtime.cluster import Cluster, tf_config
 
 GRACE_SECONDS = 30.0
 
@@ -87,7 +86,6 @@ class Launcher:
     def start(self, job: str, index: int, flags: List[str]):
         cluster = Cluster({j: tuple(a) for j, a in self.jobs.items()}, job, index, "TF_CONFIG")
         env = dict(os.environ, TF_CONFIG=tf_config(cluster), PYTHONUNBUFFERED="1")
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TensorFlow's C++ INFO lines (server configs) drown the logs
         process = subprocess.Popen(
             [sys.executable, "-m", "gpupar", *flags], env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,  # own process group
@@ -218,30 +216,12 @@ def with_resume(flags: List[str]) -> List[str]:
     return [*flags, "--resume"]
 
 
-def parse_args(argv: List[str]):
-    parser = argparse.ArgumentParser(
-        prog="gpupar launch", description="Run a gpupar cluster on this machine (loopback ports).",
-        epilog="Everything after -- goes to every task's gpupar, e.g. -- --strategy=parameter_server --epochs=2",
-    )
-    parser.add_argument("--workers", type=int, default=2, help="worker tasks (default 2)")
-    parser.add_argument("--ps", type=int, default=0, help="parameter-server tasks; > 0 adds a chief (coordinator)")
-    parser.add_argument("--restarts", type=int, default=0,
-                        help="times to restart after a task fails (the cluster, or a parameter-server worker)")
-    if "--" in argv:
-        cut = argv.index("--")
-        own, flags = argv[:cut], argv[cut + 1:]
-    else:
-        own, flags = argv, []
-    args = parser.parse_args(own)
-    if args.workers < 1 or args.ps < 0 or args.restarts < 0:
-        parser.error("--workers must be >= 1, --ps and --restarts >= 0")
-    return args, flags
+def launch(workers: int, ps: int, restarts: int, flags: List[str]) -> int:
+    """Runs `python -m gpupar FLAGS` as a loopback cluster of `workers` workers and `ps` ps tasks.
 
-
-def main(argv: List[str]) -> int:
-    """`gpupar launch [--workers=N] [--ps=M] [--restarts=R] -- <gpupar flags>`; returns the exit status."""
-    args, flags = parse_args(argv)
-    launcher = Launcher(args.workers, args.ps, flags, args.restarts)
+    Returns the exit status: that of the failing task, if any, or 128 + the signal that stopped it.
+    """
+    launcher = Launcher(workers, ps, flags, restarts)
 
     def on_signal(signum, _frame):
         if launcher.stopping is not None:  # a second Ctrl-C: no more waiting

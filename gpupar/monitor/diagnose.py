@@ -17,12 +17,11 @@ import time
 
 import tensorflow as tf
 
-from gpupar import bottleneck
-from gpupar.bottleneck import InputWait
-from gpupar.config import Config
-from gpupar.assembly import assemble, train_iterator
+from gpupar.config import SYNCHRONOUS, Config, run_mode
 from gpupar.errors import GpuparError
-from gpupar.train import assembled_train_function
+from gpupar.monitor import bottleneck
+from gpupar.monitor.bottleneck import InputWait
+from gpupar.training.engine import build_engine
 
 log = logging.getLogger("gpupar")
 WARM_UP_STEPS = 3  # traced and discarded before each measurement
@@ -127,48 +126,46 @@ def _seconds(run, steps):
     return time.perf_counter() - started
 
 
-def _in_calls(call, steps: int, per_call: int):
-    """Runs `steps` steps as training does: calls of per_call steps, each call's results read on the host."""
-    done = 0
-    while done < steps:
-        num = min(per_call, steps - done)
-        [float(t) for t in call(num, done == 0)]
-        done += num
-
-
 def diagnose(config: Config, steps: int = 30) -> Report:
-    """Measures the step alone, the pipeline alone and both together under `config`."""
+    """Measures the step alone, the pipeline alone and both together under `config`.
+
+    Args:
+      config: The training options to diagnose (a synchronous strategy).
+      steps: Timed steps in each measurement.
+
+    Returns:
+      The Report.
+
+    Raises:
+      GpuparError: too few steps, a strategy diagnose cannot time (model_parallel, parameter_server),
+        or a bad option or input.
+    """
     if steps < bottleneck.MIN_STEPS:
         raise GpuparError(f"diagnose_steps={steps}: judging needs at least {bottleneck.MIN_STEPS} timed steps")
-    run = assemble(config)
-    train = assembled_train_function(run)
-    per_call = config.steps_in_a_call(run.steps_per_epoch)
+    if run_mode(config) != SYNCHRONOUS:
+        raise GpuparError(f"gpupar diagnose times data-parallel steps; strategy={config.strategy} has steps of its "
+                          "own (use auto, one_device, mirrored or central_storage)")
+    engine = build_engine(config)
 
     # The step alone first, while no pipeline is running; the batch's own pipeline ends after it.
-    one_batch = _OneBatch(next(train_iterator(config, run, limit=1)))
-    step_seconds = _seconds(lambda n: _in_calls(
-        lambda num, _: train(one_batch, tf.constant(num), tf.constant(False)), n, per_call), steps)
+    one_batch = _OneBatch(next(engine.make_input(0, limit=1)))
+    step_seconds = _seconds(lambda n: engine.run_calls(one_batch, n), steps)
 
-    pipeline = train_iterator(config, run, limit=WARM_UP_STEPS + steps)  # stops once measured
+    pipeline = engine.make_input(0, limit=WARM_UP_STEPS + steps)  # stops once measured
     input_seconds = _seconds(lambda n: float(_pull(pipeline, tf.constant(n))), steps)
 
-    together, wait = train_iterator(config, run), InputWait()
-
-    def measured_call(num, first):
-        loss, correct, waited, busy = train(together, tf.constant(num), tf.constant(first))
-        wait.add(float(waited), float(busy), num)
-        return loss, correct
-
-    _in_calls(lambda num, first: train(together, tf.constant(num), tf.constant(first)), WARM_UP_STEPS, per_call)
+    together = engine.make_input(0)
+    engine.run_calls(together, WARM_UP_STEPS, first_call=True)
     started = time.perf_counter()
-    _in_calls(lambda num, _: measured_call(num, False), steps, per_call)
+    measured = engine.run_calls(together, steps)
     together_seconds = time.perf_counter() - started
+    wait = InputWait(measured.waited, measured.busy, measured.steps)
 
-    rates = [steps * run.global_batch / seconds for seconds in (input_seconds, step_seconds, together_seconds)]
+    rates = [steps * engine.global_batch / seconds for seconds in (input_seconds, step_seconds, together_seconds)]
     input_bound, bound_by = verdict(*rates)
-    virtual_cpus = not run.devices.visible_gpus and run.plan.num_replicas > 1
+    virtual_cpus = not engine.on_gpus and engine.replicas > 1
     return Report(
-        strategy=run.plan.describe().split(";")[0], global_batch=run.global_batch, steps=steps,
+        strategy=engine.description.split(";")[0], global_batch=engine.global_batch, steps=steps,
         input_images_per_second=rates[0], step_images_per_second=rates[1], together_images_per_second=rates[2],
         input_wait_fraction=wait.fraction, input_bound=input_bound, bound_by=bound_by,
         recommendations=tuple(bottleneck.likely_causes(config, rates[0], rates[1]) if input_bound

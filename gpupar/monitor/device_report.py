@@ -6,7 +6,7 @@
 
 import json
 
-from gpupar.strategy import short_name
+from gpupar.runtime.strategy import short_name
 
 NO_GPU_HINT = (
     "no GPU found: training runs on the CPU. To try multi-device training here, split the CPU "
@@ -79,8 +79,8 @@ def collect_report(config) -> dict:
     import keras
     import tensorflow as tf
 
-    from gpupar.devices import configure_devices, gpu_memory_mb
-    from gpupar.strategy import detected_plan
+    from gpupar.runtime.devices import configure_devices, gpu_memory_mb
+    from gpupar.runtime.strategy import detected_plan
 
     device_plan = configure_devices(config)
     physical = [(d.name, d.device_type) for d in tf.config.list_physical_devices()]

@@ -1,7 +1,7 @@
 """Which device runs which pipeline stage of which replica (strategy=model_parallel).
 
 `plan_stages` is a pure function of the device names, so tests call it with fake GPUs;
-gpupar/model_parallel.py carries the plan out.
+gpupar/training/pipeline.py carries the plan out.
 """
 
 import dataclasses
@@ -51,6 +51,16 @@ def plan_stages(devices: Sequence[str], num_stages: int) -> StagePlan:
     """Puts consecutive stages on consecutive devices, as many whole replicas as the devices hold.
 
     With 4 devices and 2 stages: replica 0 on devices 0 -> 1, replica 1 on devices 2 -> 3.
+
+    Args:
+      devices: The devices' names, in order (fake ones in tests).
+      num_stages: The model's stages.
+
+    Returns:
+      The StagePlan; devices left over are in its `unused`.
+
+    Raises:
+      GpuparError: fewer devices than stages, or no stage.
     """
     devices = tuple(devices)
     if num_stages < 1:

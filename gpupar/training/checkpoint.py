@@ -19,7 +19,7 @@ class Position:
     """Where training stands: `epoch` epochs complete, plus `step` steps of the next one.
 
     `global_batch` is the batch those steps had (0 where unknown: nothing restored yet);
-    `totals` the sums of those steps (gpupar.train.EpochTotals as a dict), so that the record of
+    `totals` the sums of those steps (gpupar.training.loop.EpochTotals as a dict), so that the record of
     an epoch resumed in its middle covers the whole epoch.
     """
 

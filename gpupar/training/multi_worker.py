@@ -14,7 +14,7 @@ import tempfile
 
 import tensorflow as tf
 
-from gpupar.cluster import Cluster
+from gpupar.runtime.cluster import Cluster
 from gpupar.config import Config
 from gpupar.errors import GpuparError
 

@@ -3,8 +3,8 @@
     gpupar --model=lstm --strategy=model_parallel --virtual_cpus=3 --microbatches=4 \
         --dataset=fashion_mnist --data_dir=/usr/share/datasets/fashion-mnist --epochs=2
 
-Stage k's layers build their variables under tf.device(stage k's device) (gpupar.model), and
-its forward and backward ops are created under the same tf.device, one GradientTape per stage
+Stage k's layers build their variables under tf.device(stage k's device) (gpupar.models.sequential),
+and its forward and backward ops are created under the same tf.device, one GradientTape per stage
 and micro-batch; activations go forward and their gradients back between devices as tensors
 (TensorFlow inserts the Send/Recv). GPipe-style: every micro-batch's gradients are summed on
 the variables' devices, then one optimizer update per batch. Everything is one tf.function, so
@@ -12,25 +12,15 @@ TensorFlow's executor starts each op as soon as its inputs are ready: stage k's 
 micro-batch i+1 does not depend on stage k+1's work on micro-batch i, and the two can overlap.
 """
 
-import logging
-import time
-
 import keras
 import tensorflow as tf
 
-from gpupar import data
-from gpupar.checkpoint import Checkpoints
 from gpupar.errors import GpuparError
-from gpupar.model import build_model, layer_stages, model_signature, num_stages
-from gpupar.outputs import describe_outputs
-from gpupar.result import FitResult
-from gpupar.stages import StagePlan, plan_stages
-from gpupar.strategy import plan_strategy, short_name
-from gpupar.summaries import Summaries
-from gpupar.teardown import keep_for_process
-from gpupar.train import _correct, _Loop, make_finite_check, steps_in_one_call
+from gpupar.models.sequential import layer_stages
+from gpupar.runtime.stages import StagePlan
+from gpupar.runtime.strategy import short_name
+from gpupar.training.steps import count_correct, steps_in_one_call
 
-log = logging.getLogger("gpupar")
 ZERO = tf.UnconnectedGradients.ZERO
 
 
@@ -95,7 +85,7 @@ class Pipeline:
                                 tape.watch(x)
                             out = self._stage(k, x, training=True)
                             if k == num_s - 1:
-                                corrects.append(_correct(out, y))
+                                corrects.append(count_correct(out, y))
                                 per_example = keras.losses.sparse_categorical_crossentropy(y, out, from_logits=True)
                                 out = tf.reduce_sum(per_example) / global_batch
                                 losses.append(out)
@@ -151,14 +141,14 @@ class Pipeline:
                 for k in range(plan.num_stages):
                     with tf.device(devices[k]), tf.name_scope(f"forward_r{r}_s{k}_m{i}"):
                         x = self._stage(k, x, training=False)
-                corrects.append(_correct(x, ys[r * num_m + i]))
+                corrects.append(count_correct(x, ys[r * num_m + i]))
         return tf.add_n(corrects), tf.cast(tf.shape(labels)[0], tf.float32)
 
 
 def make_train_function(pipeline: Pipeline, optimizer, global_batch: int):
     """Returns train(iterator, num_steps[, skip_first_wait]) -> (loss sum, correct, input wait s, step s).
 
-    One tf.function call of num_steps pipelined steps, timed as gpupar.train's steps are.
+    One tf.function call of num_steps pipelined steps, timed as the synchronous steps are.
     """
 
     def batch_step(batch):
@@ -174,75 +164,3 @@ def make_train_function(pipeline: Pipeline, optimizer, global_batch: int):
 def make_test_function(pipeline: Pipeline):
     """Returns test(iterator, num_steps) -> (correct predictions, examples seen)."""
     return steps_in_one_call(lambda batch: pipeline.correct(*batch))
-
-
-def detected_stage_plan(config) -> StagePlan:
-    """The StagePlan for config on this machine's logical devices (GPUs, else the virtual CPUs)."""
-    gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
-    cpus = [d.name for d in tf.config.list_logical_devices("CPU")][: config.virtual_cpus or 1]
-    devices = plan_strategy("auto", gpus, cpus, devices=config.devices).devices
-    return plan_stages(devices, num_stages(config))
-
-
-def train_and_evaluate(config, stop, started) -> FitResult:
-    """gpupar.train.train_and_evaluate for strategy=model_parallel (devices already configured)."""
-    plan = detected_stage_plan(config)
-    keras.utils.set_random_seed(config.seed)
-    splits = data.load_splits(config.dataset, config.data_dir)
-    log.info("data: %d training and %d test images from %s", len(splits.train_labels), len(splits.test_labels),
-             config.data_dir or f"TFDS {config.dataset}")
-    global_batch = config.batch_size * plan.num_replicas
-    steps_per_epoch = data.batches_per_epoch(len(splits.train_images), global_batch)
-    if config.steps_per_epoch is not None:
-        steps_per_epoch = min(steps_per_epoch, config.steps_per_epoch)
-
-    model = build_model(config, stage_devices=plan.variable_devices)
-    adam = keras.optimizers.Adam(config.learning_rate)
-    adam.build(model.trainable_variables)  # each slot variable is created beside its variable
-    pipeline = Pipeline(model, plan, config.microbatches)
-    description = (f"{plan.describe()}; {config.microbatches} micro-batch(es) of "
-                   f"{config.batch_size // config.microbatches} per replica")
-    log.info(description)
-    for line in pipeline.describe():
-        log.info(line)
-
-    checkpoints = Checkpoints(config.model_dir, model, adam, config.max_to_keep, global_batch, model_signature(config), config.save)
-    saved_at = checkpoints.restore(config.resume)
-    start = saved_at.rebatched(global_batch, steps_per_epoch)
-    if start.step != saved_at.step:
-        log.info("the checkpoint is %d steps of %d into epoch %d; this run continues at step %d",
-                 saved_at.step, saved_at.global_batch, saved_at.epoch, start.step)
-    adam.learning_rate.assign(config.learning_rate)
-
-    train_iterator = keep_for_process(iter(data.train_dataset(
-        splits.train_images, splits.train_labels, global_batch, config.seed,
-        start_step=start.epoch * steps_per_epoch + start.step,
-    )))
-    test_iterator = keep_for_process(iter(data.test_dataset(splits.test_images, splits.test_labels, global_batch)))
-    test, num_test_steps = make_test_function(pipeline), data.test_steps(len(splits.test_images), global_batch)
-
-    def evaluate():
-        correct, count = test(test_iterator, tf.constant(num_test_steps))
-        return float(correct) / float(count)
-
-    summaries = Summaries(config.log_dir)
-    loop = _Loop(config, make_train_function(pipeline, adam, global_batch), evaluate, checkpoints, summaries,
-                 steps_per_epoch, global_batch, adam.iterations, make_finite_check(model))
-    try:
-        history = loop.run(start, train_iterator, stop)
-    finally:
-        loop.profile.stop()
-        summaries.close()
-    test_accuracy = history[-1].test_accuracy if history else evaluate()
-    total = time.perf_counter() - started
-    log.info("Test accuracy: %.4f; total time: %.1f s", test_accuracy, total)
-    result = FitResult(
-        model=model, strategy=plan, history=history, test_accuracy=test_accuracy, total_seconds=total,
-        strategy_description=description, replicas=plan.num_replicas, global_batch=global_batch,
-        start_epoch=start.epoch, checkpoint=checkpoints.latest,
-    )
-    if config.metrics_json:
-        result.write_json(config.metrics_json)
-    log.info(describe_outputs(config, checkpoints.latest))
-    return result
-

@@ -41,7 +41,7 @@ class Outputs:
 def plan_outputs(config, existing: Sequence[str], runs_dir: str = RUNS_DIR, chief: bool = True) -> Outputs:
     """The folders of a run under `config`, given the names of the folders now in runs_dir.
 
-    A cluster's other tasks (not `chief`) keep nothing (gpupar.multi_worker): they only read the
+    A cluster's other tasks (not `chief`) keep nothing (gpupar.training.multi_worker): they only read the
     run folder the chief resumes from.
     """
     numbers = sorted(int(name) for name in existing if _NUMBERED.match(name))

@@ -1,0 +1,1 @@
+"""The data: MNIST-format files and TFDS (`mnist`, `idx`), the tf.data pipelines, and augmentation."""

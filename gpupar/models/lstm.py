@@ -1,0 +1,37 @@
+"""A stacked-LSTM classifier over the 28 rows of an image."""
+
+from typing import Optional, Sequence
+
+import keras
+
+from gpupar.models.convnet import NUM_CLASSES
+from gpupar.models.sequential import staged_sequential
+
+
+def build_lstm(num_layers: int = 3, units: int = 128, seed: int = 0, stage_devices: Optional[Sequence[str]] = None,
+               dtype: Optional[str] = None):
+    """A stacked-LSTM classifier: the 28 rows of an image are 28 time steps of 28 pixels.
+
+    num_layers LSTM layers of `units`, then 10 logits from the last LSTM's final output; no batch
+    norm and no dropout, so splitting a batch into micro-batches does not change the update.
+
+    Args:
+      num_layers: LSTM layers.
+      units: Units in each.
+      seed: Seed of the initial weights.
+      stage_devices: One device per LSTM layer for model_parallel, or None.
+      dtype: A Keras dtype policy, or None for float32.
+
+    Returns:
+      The keras.Sequential model, built.
+    """
+    layers = [keras.layers.Reshape((28, 28), dtype=dtype)]
+    for i in range(num_layers):
+        layers.append(keras.layers.LSTM(
+            units, return_sequences=i < num_layers - 1,
+            kernel_initializer=keras.initializers.GlorotUniform(seed=seed * 100 + 2 * i),
+            recurrent_initializer=keras.initializers.Orthogonal(seed=seed * 100 + 2 * i + 1), dtype=dtype,
+        ))
+    layers.append(keras.layers.Dense(NUM_CLASSES, kernel_initializer=keras.initializers.GlorotUniform(seed=seed * 100 + 99),
+                                     dtype=dtype))
+    return staged_sequential("lstm", layers, stage_devices)

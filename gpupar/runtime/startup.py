@@ -1,0 +1,53 @@
+"""Starting TensorFlow without its C++ start-up lines, unless they are asked for.
+
+TensorFlow 2.21 prints a dozen lines as it loads and finds its devices (CUDA stubs, cuInit,
+oneDNN, CPU features) before gpupar's own, some of them before its logging is set up, where
+TF_CPP_MIN_LOG_LEVEL cannot hide them. The gpupar command sets TF_CPP_MIN_LOG_LEVEL=2 (no INFO
+or WARNING lines) unless it is set already, and keeps what TensorFlow writes to stderr while it
+starts in a file that it shows only when the start fails, or when the lines are asked for
+(absl's --verbosity, or TF_CPP_MIN_LOG_LEVEL=0 or 1).
+"""
+
+import contextlib
+import os
+import sys
+import tempfile
+from typing import MutableMapping, Sequence
+
+
+def wants_start_up_lines(argv: Sequence[str], environ: MutableMapping[str, str]) -> bool:
+    """Whether the user asked to see TensorFlow's lines; if not, sets TF_CPP_MIN_LOG_LEVEL=2 unless set."""
+    asked = any(a.startswith(("--verbosity", "-v=", "--v=")) or a == "-v" for a in argv) or \
+        environ.get("TF_CPP_MIN_LOG_LEVEL") in ("0", "1")
+    if not asked:
+        environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return asked
+
+
+@contextlib.contextmanager
+def _stderr_held():
+    """Sends file descriptor 2 to a temporary file; on an exception, writes what it caught to stderr."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            held.seek(0)
+            os.write(2, held.read())
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def start_tensorflow(show_lines: bool):
+    """Imports TensorFlow and lets it find its devices, its start-up lines hidden unless `show_lines`."""
+    with contextlib.nullcontext() if show_lines else _stderr_held():
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()

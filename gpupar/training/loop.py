@@ -1,0 +1,249 @@
+"""The outer loop, one for every mode: epochs of K-step calls, progress lines, evaluation, checkpoints, stops.
+
+The loop drives an Engine (gpupar.training.engine) and knows nothing of its mode: it asks for
+calls of steps, adds up the results each call reports (a parameter-server engine reports
+steps that finished later than they were asked for), and at an epoch's end, or before it
+saves, lets the engine finish what is still in flight.
+"""
+
+import dataclasses
+import logging
+import math
+import signal
+import statistics
+import time
+from typing import Dict
+
+from gpupar.errors import GpuparError
+from gpupar.monitor import bottleneck
+from gpupar.monitor.bottleneck import InputWait
+from gpupar.monitor.profiling import ProfileWindow
+from gpupar.training.checkpoint import Position
+from gpupar.training.interrupt import TrainingInterrupted
+from gpupar.training.result import EpochRecord
+from gpupar.training.steps import Results
+
+log = logging.getLogger("gpupar")
+
+
+@dataclasses.dataclass
+class EpochTotals:
+    """Sums over the steps of an epoch so far; a step checkpoint carries them into the resumed run.
+
+    Attributes:
+      steps: Steps run, skipped ones included.
+      skipped: Steps dropped for a non-finite loss or gradient.
+      images: Training examples of all those steps (for the speed).
+      examples: Examples of the steps kept (for the means).
+      loss: Sum over the kept steps of each step's mean loss times its examples.
+      correct: Correct predictions in the kept steps.
+      seconds: Wall time of the steps.
+      by_worker: Steps each worker ran (parameter servers), by worker index as a string.
+    """
+
+    steps: int = 0
+    skipped: int = 0
+    images: int = 0
+    examples: int = 0
+    loss: float = 0.0
+    correct: float = 0.0
+    seconds: float = 0.0
+    by_worker: Dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, values) -> "EpochTotals":
+        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
+
+    def add(self, results: Results, skipped: int, global_batch: int):
+        """Adds one call's finished steps, `skipped` of them dropped as non-finite."""
+        self.steps, self.skipped = self.steps + results.steps, self.skipped + skipped
+        self.images += results.steps * global_batch
+        self.examples += (results.steps - skipped) * global_batch
+        self.loss += results.loss * global_batch
+        self.correct += results.correct
+        for worker, steps in results.by_worker.items():
+            self.by_worker[str(worker)] = self.by_worker.get(str(worker), 0) + steps
+
+    def since(self, earlier: "EpochTotals") -> "EpochTotals":
+        """The sums of the steps after `earlier`."""
+        numbers = [getattr(self, f.name) - getattr(earlier, f.name) for f in dataclasses.fields(self)[:-1]]
+        return EpochTotals(*numbers, {w: n - earlier.by_worker.get(w, 0) for w, n in self.by_worker.items()})
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss / max(self.examples, 1)
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / max(self.examples, 1)
+
+
+
+def _workers_note(by_worker) -> str:
+    """', updates by worker: 0: 16, 1: 16' where workers step on their own (parameter servers), else ''."""
+    if not by_worker:
+        return ""
+    return ", updates by worker: " + ", ".join(f"{w}: {n}" for w, n in sorted(by_worker.items(), key=lambda i: int(i[0])))
+
+
+def _stopped_without_saving(latest_checkpoint) -> str:
+    """What a stop for non-finite numbers says it left on disk, and what to do."""
+    kept = f"the last good checkpoint {latest_checkpoint} is kept" if latest_checkpoint else "no checkpoint was written"
+    return f"stopped without saving ({kept}). Lower learning_rate, check the input data, or pass nan_policy=skip."
+
+
+def _check_finite(loss, epoch, first_step, last_step, checkpoint):
+    """Raises when the loss of steps first_step..last_step (1-based, in the epoch) is not finite."""
+    if not math.isfinite(loss):
+        where = f"step {last_step}" if first_step == last_step else f"one of steps {first_step}..{last_step}"
+        raise GpuparError(f"training loss became {loss} at epoch {epoch}, {where}; {_stopped_without_saving(checkpoint)}")
+
+
+def _crosses(before: int, after: int, every) -> bool:
+    """True when a multiple of `every` lies in (before, after]."""
+    return every is not None and after // every > before // every
+
+
+class Loop:
+    """Trains an engine from a checkpoint's position to config.epochs, saving as it goes.
+
+    Attributes:
+      engine: What runs the steps and the evaluation.
+      config: The run's Config.
+      checkpoints: Where the loop saves (gpupar.training.checkpoint.Checkpoints).
+      summaries: The TensorBoard writer (gpupar.training.summaries.Summaries).
+      gpu_sampler: The NVML sampler of the GPUs in use, or None.
+    """
+
+    def __init__(self, engine, config, checkpoints, summaries, gpu_sampler=None):
+        self.engine, self.config, self.checkpoints, self.summaries = engine, config, checkpoints, summaries
+        self.gpu_sampler, self.gpus = gpu_sampler, []  # the GPUs' summaries over the last epoch
+        self.profile = ProfileWindow(config.profile_steps, config.log_dir)
+        self.done = 0  # steps this process asked for, for the profile window
+        self.warned = False  # the input-bound warning is given once per run
+        self.wait = InputWait()  # this epoch's input waits
+
+    def _call(self, num_steps: int):
+        """Runs one call of num_steps steps; returns (the results it reports, how many of them were skipped)."""
+        skips = self.config.nan_policy == "skip"
+        updates_before = int(self.engine.updates.numpy()) if skips else 0
+        self.profile.before(self.done)
+        results = self.engine.train(num_steps, self.done == 0)
+        self.done += num_steps
+        self.profile.after(self.done)
+        if results.waited is not None:
+            self.wait.add(results.waited, results.busy, results.steps)
+        # The update counter stands still on a skipped step.
+        skipped = results.steps - (int(self.engine.updates.numpy()) - updates_before) if skips else 0
+        return results, skipped
+
+    def _warn_if_input_bound(self):
+        if self.wait.input_bound and not self.warned:
+            log.warning(bottleneck.warning(self.wait, self.config, self.engine.on_gpus))
+            self.warned = True
+
+    def _save(self, epoch, step, save):
+        """Saves through `save` unless a non-finite gradient has already spoilt the weights."""
+        if not bool(self.engine.weights_finite()):
+            raise GpuparError(f"the weights became non-finite (a NaN or Inf gradient) by epoch {epoch}, step {step}; "
+                              f"{_stopped_without_saving(self.checkpoints.latest)}")
+        return save()
+
+    def _chunk(self, step):
+        """Steps in the next call: K, cut at the epoch end and at step-checkpoint boundaries."""
+        spe = self.engine.steps_per_epoch
+        num = min(self.engine.steps_per_call, spe - step)
+        every = self.config.checkpoint_every_steps
+        if every is not None:
+            num = min(num, every - step % every)
+        return self.profile.limit(self.done, num)
+
+    def epoch(self, epoch, start: Position, stop) -> EpochRecord:
+        """Trains the rest of one epoch from `start`; returns its EpochRecord, the whole epoch's."""
+        config, per_epoch, batch = self.config, self.engine.steps_per_epoch, self.engine.global_batch
+        began = time.perf_counter()
+        totals = EpochTotals.from_dict(start.totals)  # the steps before start.step, in an earlier run
+        shown, shown_time = dataclasses.replace(totals, by_worker=dict(totals.by_worker)), began
+        asked = finished = start.step  # steps asked for, and steps the engine reported finished
+        self.wait = InputWait()
+        if self.gpu_sampler:
+            self.gpu_sampler.take()  # drops the samples of evaluation and saving since the last epoch
+
+        def add(results: Results, skipped: int):
+            nonlocal finished, shown, shown_time
+            before, finished = finished, finished + results.steps
+            totals.add(results, skipped, batch)
+            _check_finite(totals.loss, epoch, before + 1, finished, self.checkpoints.latest)
+            if results.steps and (_crosses(before, finished, config.display_step) or finished == per_epoch or stop.signum):
+                now, interval = time.perf_counter(), totals.since(shown)
+                log.info(
+                    "Epoch:[%d] [%d / %d] loss: %.4f, acc: %.4f, %s img/s%s%s", epoch, finished, per_epoch,
+                    interval.mean_loss, interval.accuracy, f"{interval.images / (now - shown_time):,.0f}",
+                    f", skipped {interval.skipped} non-finite step(s)" if interval.skipped else "",
+                    _workers_note(interval.by_worker),
+                )
+                self._warn_if_input_bound()
+                self.summaries.step(epoch * per_epoch + finished, interval.mean_loss)
+                shown, shown_time = dataclasses.replace(totals, by_worker=dict(totals.by_worker)), now
+
+        def save_step():
+            add(self.engine.finish(), 0)  # every step asked for is in the weights, and in the totals
+            now = dataclasses.replace(totals, seconds=totals.seconds + time.perf_counter() - began)
+            return self._save(epoch, asked, lambda: self.checkpoints.save_step(
+                Position(epoch, asked, totals=dataclasses.asdict(now)), epoch * per_epoch + asked))
+
+        while asked < per_epoch:
+            if stop.signum:
+                self._interrupt(stop, save_step())
+            num_steps = self._chunk(asked)
+            add(*self._call(num_steps))
+            asked += num_steps
+            if asked < per_epoch and not stop.signum and _crosses(asked - num_steps, asked, config.checkpoint_every_steps):
+                save_step()
+        add(self.engine.finish(), 0)
+        totals.seconds += time.perf_counter() - began
+        self.gpus = self.gpu_sampler.take() if self.gpu_sampler else []
+        return EpochRecord(
+            epoch=epoch, train_loss=totals.mean_loss, train_accuracy=totals.accuracy,
+            test_accuracy=self.engine.evaluate(), seconds=totals.seconds,
+            images_per_second=totals.images / totals.seconds, steps=totals.steps, skipped_steps=totals.skipped,
+            input_wait_fraction=self.wait.fraction, resumed_at_step=start.step,
+            updates_by_worker=dict(totals.by_worker) or None,
+            gpu_util_percent=statistics.fmean(g.mean_util_percent for g in self.gpus) if self.gpus else None,
+            gpu_memory_used_mb=max(g.max_memory_used_mb for g in self.gpus) if self.gpus else None,
+        )
+
+    @staticmethod
+    def _interrupt(stop, saved):
+        log.info("%s received: %s", signal.Signals(stop.signum).name, f"saved {saved}" if saved else "nothing to save")
+        raise TrainingInterrupted(stop.signum, saved)
+
+    def run(self, start: Position, stop):
+        """Trains from `start` to config.epochs; returns the EpochRecords."""
+        history = []
+        if start.epoch >= self.config.epochs:
+            log.info("nothing to train: the checkpoint already holds %d epoch(s), epochs=%d",
+                     start.epoch, self.config.epochs)
+        for epoch in range(start.epoch, self.config.epochs):
+            record = self.epoch(epoch, start if epoch == start.epoch else Position(epoch), stop)
+            history.append(record)
+            self.summaries.epoch(epoch, record)
+            saved = self._save(epoch, self.engine.steps_per_epoch, lambda: self.checkpoints.save_epoch(epoch + 1))
+            log.info(
+                "Epoch:[%d] train loss: %.4f, train acc: %.4f, test acc: %.4f, %.1f s, %s img/s%s%s", epoch,
+                record.train_loss, record.train_accuracy, record.test_accuracy, record.seconds,
+                f"{record.images_per_second:,.0f}", _workers_note(record.updates_by_worker),
+                f", saved {saved}" if saved else "",
+            )
+            if self.wait.steps:
+                log.info("Epoch:[%d] %s", epoch, self.wait.describe())
+            for gpu in self.gpus:
+                log.info("Epoch:[%d] %s", epoch, gpu.describe())
+            self._warn_if_input_bound()
+            if stop.signum:
+                self._interrupt(stop, saved)
+            if self.config.reached_target(record.test_accuracy):
+                log.info("Epoch:[%d] test accuracy %.4f reached stop_at_accuracy=%s; stopping", epoch,
+                         record.test_accuracy, self.config.stop_at_accuracy)
+                break
+        return history

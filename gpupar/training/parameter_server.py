@@ -1,0 +1,134 @@
+"""Asynchronous data parallelism: ParameterServerStrategy with a ClusterCoordinator.
+
+The chief is the coordinator: it builds the Keras 3 ConvNet and its Adam optimizer under
+`strategy.scope()`, which places every variable (weights, batch-norm statistics, Adam's moments)
+on the parameter servers, then schedules train steps onto the workers. Each scheduled step runs
+on one worker: it reads the current variables, computes the gradients of its own batch and
+applies them with Adam without waiting for any other worker. Keras 3's `model.fit` does not
+support this strategy (keras-team/keras#18624), but its model and optimizer work inside such a
+custom step. Worker and ps tasks only run a tf.distribute.Server until they are stopped.
+
+An epoch is one pass over the training set in total: `steps_per_epoch` steps of `batch_size`
+examples, spread over the workers as they free up. Each worker reads its own shard (batches
+w, w+N, w+2N... of the seeded order), so together they see every batch once per pass.
+"""
+
+import collections
+import logging
+
+import keras
+import tensorflow as tf
+
+from gpupar.runtime.cluster import Cluster
+from gpupar.runtime.devices import configure_devices
+from gpupar.runtime.strategy import plan_strategy
+from gpupar.training.steps import Results, count_correct, steps_in_one_call
+
+log = logging.getLogger("gpupar")
+IN_FLIGHT_PER_WORKER = 2  # scheduled calls not yet fetched, per worker: enough to keep each busy
+
+
+def serve(config, cluster: Cluster):
+    """Runs this task's tf.distribute.Server until the process is stopped (it never returns)."""
+    plan = plan_strategy(config.strategy, [], ["/cpu:0"], cross_device_ops=config.cross_device_ops, cluster=cluster)
+    configure_devices(config)
+    log.info("%s serving on %s until stopped, in %s", cluster.task_name,
+             cluster.jobs[cluster.task_type][cluster.task_index], plan.describe())
+    server_config = tf.compat.v1.ConfigProto()
+    # Each closure the coordinator sends needs an inter-op thread while it waits on the ps tasks;
+    # with as few threads as cores (2 here) a worker can stall.
+    server_config.inter_op_parallelism_threads = 4
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec({job: list(a) for job, a in cluster.jobs.items()}),
+        job_name=cluster.task_type, task_index=cluster.task_index, protocol="grpc", config=server_config,
+        start=True,
+    )
+    server.join()
+
+
+def make_worker_step(strategy, model, optimizer):
+    """Returns train(iterator, num_steps) -> (loss sum, correct, worker index), run on one worker."""
+
+    def replica_step(images, labels):
+        with tf.GradientTape() as tape:
+            logits = model(images, training=True)
+            per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+            loss = tf.reduce_mean(per_example) + tf.add_n(model.losses)  # one replica: its batch is the batch
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)  # on the ps tasks, without waiting for others
+        return loss, count_correct(logits, labels)
+
+    steps = steps_in_one_call(lambda batch: strategy.run(replica_step, args=batch))
+
+    @tf.function
+    def train(iterator, num_steps):
+        loss, correct = steps(iterator, num_steps)
+        return loss, correct, tf.distribute.coordinator.experimental_get_current_worker_index()
+
+    return train
+
+
+def make_test_function(model):
+    """Returns test(iterator, num_steps) -> (correct predictions, examples), run on the chief from the ps variables."""
+
+    def batch_step(batch):
+        images, labels = batch
+        return count_correct(model(images, training=False), labels), tf.cast(tf.shape(labels)[0], tf.float32)
+
+    return steps_in_one_call(batch_step)
+
+
+class Scheduler:
+    """The coordinator's side of training: calls of steps scheduled onto the workers as they free up.
+
+    At most IN_FLIGHT_PER_WORKER calls per worker wait unfetched; `schedule` returns the results
+    of the calls it had to wait for (so they lag behind what was scheduled), `finish` waits for
+    every call still in flight.
+    """
+
+    def __init__(self, coordinator, train, num_workers: int):
+        self.coordinator, self.train = coordinator, train
+        self.max_in_flight = IN_FLIGHT_PER_WORKER * num_workers
+        self.pending = collections.deque()
+
+    def _collect(self) -> Results:
+        num_steps, remote = self.pending.popleft()
+        loss, correct, worker = _fetch(self.coordinator, remote)
+        return Results(num_steps, float(loss), float(correct), by_worker={int(worker): num_steps})
+
+    def schedule(self, iterator, num_steps: int) -> Results:
+        """Schedules one call of num_steps steps; returns the results of the calls that finished meanwhile."""
+        done = Results()
+        while len(self.pending) >= self.max_in_flight:  # bounded: wait for the oldest before scheduling more
+            done += self._collect()
+        self.pending.append((num_steps, self.coordinator.schedule(self.train, args=(iterator, num_steps))))
+        return done
+
+    def finish(self) -> Results:
+        """Waits until every scheduled step has been applied; returns the results not yet returned."""
+        self.coordinator.join()
+        done = Results()
+        while self.pending:
+            done += self._collect()
+        return done
+
+
+def _fetch(coordinator, remote):
+    """remote.fetch() of a scheduled step, also when the step's worker fails meanwhile.
+
+    TF marks a step's RemoteValue ready once the step's call has returned on the coordinator,
+    when its outputs may still be the worker's to produce; the worker's thread then copies them
+    to the coordinator under its failure handling, which schedules the step again if the worker
+    died. A fetch() from here can take that copy over first, and then raises the dead worker's
+    error (UnavailableError: Socket closed) itself, outside that handling, although TF re-runs
+    the step. join() waits until every scheduled step has finished, re-runs included, and raises
+    the error of a step that really failed; the step's outputs are then on the coordinator and
+    the second fetch() returns them.
+    """
+    try:
+        return remote.fetch()
+    except tf.errors.OpError as e:
+        log.warning("a step's worker failed while its result was fetched (%s); waiting for the re-run",
+                    type(e).__name__)
+        coordinator.join()
+        return remote.fetch()
