@@ -5,7 +5,7 @@ DATA_DIR ?= /usr/share/datasets/fashion-mnist
 RUN_DIR ?= runs/fashion_mnist
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: venv data train test test-fast bench bench-input clean
+.PHONY: venv data train test test-fast bench bench-input bench-pipeline docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,10 +37,17 @@ test-fast: venv data
 	$(PYTEST) -m "not slow"
 
 bench: venv data
-	$(VENV)/bin/gpupar bench --data_dir=$(DATA_DIR)
+	$(VENV)/bin/python -m benchmarks.bench --data_dir=$(DATA_DIR)
 
 bench-input: venv data
-	$(VENV)/bin/python -m gpupar.bench_input --data_dir=$(DATA_DIR)
+	$(VENV)/bin/python -m benchmarks.input --data_dir=$(DATA_DIR)
+
+bench-pipeline: venv data
+	$(VENV)/bin/python -m benchmarks.pipeline --data_dir=$(DATA_DIR)
+
+# docs/flags.md is generated from Config's field docstrings; a test checks that it is current.
+docs: venv
+	$(VENV)/bin/python -c 'import gpupar.cli; print(gpupar.cli.flags_markdown(), end="")' > docs/flags.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,14 +1,15 @@
-"""`gpupar bench`: gpupar against Keras model.fit, and each speed option on and off, on this machine.
+"""gpupar against Keras model.fit and the classic TF1 tower code, and each speed option on and off.
 
-    gpupar bench                                      # about 14 minutes on 2 cores
-    python -m gpupar.bench --data_dir=/usr/share/datasets/fashion-mnist --json=runs/bench.json --plot=runs/bench.png
-    gpupar bench --replicas=1 --only='^(gpupar|model.fit)$' --steps=2 --repeats=1 --batch_size=16 --accuracy_target=0
+    python -m benchmarks.bench                        # about 14 minutes on 2 cores (make bench)
+    python benchmarks/bench.py --json=runs/bench.json --plot=runs/bench.png
+    python -m benchmarks.bench --replicas=1 --only='^(gpupar|model.fit)$' --steps=2 --repeats=1 --batch_size=16 \
+        --accuracy_target=0
 
-Every configuration runs in a process of its own (gpupar/bench_worker.py: thread pools, virtual
+Every configuration runs in a process of its own (benchmarks/workers.py: thread pools, virtual
 CPUs and precision are fixed per process). They start one after another, so that set-up times
 are not disturbed; then in each round every process times `steps` steps in turn, so machine
 noise hits all of them alike. Besides gpupar and model.fit, the classic TF1 tower code
-(gpupar/towers.py) runs as the baseline multi-device code is usually measured against. Per
+(benchmarks/towers.py) runs as the baseline multi-device code is usually measured against. Per
 configuration it reports the median and spread of images/s, the CPU cores it kept busy (CPU time
 over wall time, spinning threads included), the ratio to model.fit with the same replicas (median
 of the per-round ratios), the fraction of the roofline (conv and dense FLOPs at this machine's
@@ -18,7 +19,6 @@ timestamps; op time by kind from a TensorBoard profile) and, last, trains it to 
 (`--accuracy_target`) and reports the time.
 """
 
-import argparse
 import dataclasses
 import json
 import math
@@ -29,9 +29,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
+if __package__ in (None, ""):  # run as a file, python benchmarks/bench.py: the repository's root is the package's
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import flags  # noqa: E402
+
+from benchmarks import script  # noqa: E402
+
+FLAGS = flags.FLAGS
+
 GPUPAR, FIT, TOWERS = "gpupar", "model.fit", "TF1 tower code"
 TUNED_STEPS_PER_EXECUTION = 10  # as gpupar's calls: display_step steps
 
@@ -42,7 +50,7 @@ class Configuration:
 
     Attributes:
       name: What the row shows, e.g. "gpupar jit_compile".
-      runner: gpupar, fit, towers or matmul (gpupar.bench_worker.RUNNERS).
+      runner: gpupar, fit, towers or matmul (benchmarks.workers.RUNNERS).
       replicas: Data-parallel replicas (virtual CPUs on a machine without GPUs).
       options: Config options (gpupar) or fit settings (steps_per_execution, gpupar_threads).
     """
@@ -89,15 +97,20 @@ def configurations(replicas=(1, 2, 4), gpu: bool = False) -> List[Configuration]
 
 
 class Worker:
-    """A bench_worker process for one configuration, answering one command at a time."""
+    """A benchmarks.workers process for one configuration, answering one command at a time."""
 
-    def __init__(self, configuration: Configuration, spec: dict, log_dir: str):
+    def __init__(self, configuration: Configuration, settings: "Settings", log_dir: str):
         self.configuration = configuration
         self.log_path = os.path.join(log_dir, re.sub(r"\W+", "_", configuration.key) + ".log")
         self.log = open(self.log_path, "w")
+        worker_flags = [f"--runner={configuration.runner}", f"--replicas={configuration.replicas}",
+                        f"--data_dir={settings.data_dir}", f"--batch_size={settings.batch_size}",
+                        f"--steps={timed_steps(configuration, settings.steps)}",
+                        f"--options={json.dumps(dict(configuration.options))}"]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gpupar.bench_worker", json.dumps(spec)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self.log, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+            [sys.executable, "-m", "benchmarks.workers", *worker_flags], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=script.ROOT,
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
         )
 
     def read(self) -> dict:
@@ -245,7 +258,7 @@ def plot(report: dict, path: str):
     axes.set_yticks(range(len(rows)), labels)
     axes.invert_yaxis()
     axes.set_xlabel("training images/s (median of rounds; bars: min-max)")
-    axes.set_title(f"gpupar bench: batch {report['batch_size']} per replica, {report['machine']['cores']} cores")
+    axes.set_title(f"benchmarks/bench.py: batch {report['batch_size']} per replica, {report['machine']['cores']} cores")
     figure.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     figure.savefig(path, dpi=100)
@@ -257,7 +270,7 @@ def time_to_accuracy(data_dir: str, target: float, max_epochs: int, work_dir: st
     metrics = os.path.join(work_dir, "accuracy_metrics.json")
     started = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "gpupar", "--dataset=fashion_mnist", f"--data_dir={data_dir}",
+        [sys.executable, "-m", "gpupar", "--dataset=fashion_mnist", f"--data_dir={data_dir}", "--nosave",
          f"--epochs={max_epochs}", f"--stop_at_accuracy={target}", f"--metrics_json={metrics}"],
         capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
@@ -271,24 +284,22 @@ def time_to_accuracy(data_dir: str, target: float, max_epochs: int, work_dir: st
             "training_seconds": result["total_seconds"]}
 
 
-def benchmark(args, rows: List[Configuration], say=print) -> dict:
+def benchmark(settings: "Settings", rows: List[Configuration], say=print) -> dict:
     """Starts a worker per configuration, runs the rounds, profiles, and returns the JSON-ready report."""
     work_dir = tempfile.mkdtemp(prefix="gpupar-bench-")
     workers, ready = [], {}
     try:
         for row in [Configuration("matmul", "matmul", 1), *rows]:
             say(f"starting {row.key}")
-            worker = Worker(row, {"data_dir": args.data_dir, "batch_size": args.batch_size, "steps": timed_steps(
-                row, args.steps), "runner": row.runner, "replicas": row.replicas, "options": dict(row.options)},
-                work_dir)
+            worker = Worker(row, settings, work_dir)
             workers.append(worker)
             ready[row.key] = worker.read()  # one at a time: set-up times undisturbed
         runs = {w.configuration.key: [] for w in workers}
-        for round_ in range(args.repeats):
+        for round_ in range(settings.repeats):
             order = workers[round_ % len(workers):] + workers[:round_ % len(workers)]  # drift spreads over rows
             for worker in order:
                 runs[worker.configuration.key].append(worker.ask("run"))
-            say(f"round {round_ + 1} of {args.repeats} done")
+            say(f"round {round_ + 1} of {settings.repeats} done")
         op_seconds = {}
         for worker in workers:
             row = worker.configuration
@@ -304,15 +315,15 @@ def benchmark(args, rows: List[Configuration], say=print) -> dict:
     report = {
         "machine": {"cores": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
                     "cpu": _cpu_name(), "platform": sys.platform, "python": sys.version.split()[0]},
-        "data_dir": args.data_dir, "batch_size": args.batch_size, "steps": args.steps, "repeats": args.repeats,
+        "data_dir": settings.data_dir, "batch_size": settings.batch_size, "steps": settings.steps, "repeats": settings.repeats,
         "flops_per_image": ready["matmul x1"]["flops_per_image"], "matmul": matmul,
         "configurations": summarise(rows, ready, runs, memory, matmul, ready["matmul x1"]["flops_per_image"]),
         "op_seconds": op_seconds,
         "headlines": headlines(runs),
     }
-    if args.accuracy_target:
-        say(f"training gpupar's default configuration to {args.accuracy_target} test accuracy")
-        report["time_to_accuracy"] = time_to_accuracy(args.data_dir, args.accuracy_target, args.accuracy_epochs,
+    if settings.accuracy_target:
+        say(f"training gpupar's default configuration to {settings.accuracy_target} test accuracy")
+        report["time_to_accuracy"] = time_to_accuracy(settings.data_dir, settings.accuracy_target, settings.accuracy_epochs,
                                                       work_dir)
     return report
 
@@ -325,63 +336,66 @@ def _cpu_name() -> str:
         return "unknown"
 
 
-def parse_args(argv: List[str]):
-    parser = argparse.ArgumentParser(prog="gpupar bench", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
-    parser.add_argument("--data_dir", default=DEFAULT_DATA_DIR, help=f"Fashion-MNIST IDX folder ({DEFAULT_DATA_DIR})")
-    parser.add_argument("--json", default="runs/bench.json", help="write the report here (runs/bench.json)")
-    parser.add_argument("--plot", default="runs/bench.png", help="write the images/s plot here, '' for none")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration and round (20)")
-    parser.add_argument("--repeats", type=int, default=5, help="rounds over all configurations (5)")
-    parser.add_argument("--batch_size", type=int, default=1024, help="examples per replica per step (1024)")
-    parser.add_argument("--replicas", default="1,2,4", help="replica counts, e.g. 1,2 (1,2,4)")
-    parser.add_argument("--only", default="", help="only configurations whose name matches this regex")
-    parser.add_argument("--accuracy_target", type=float, default=0.89,
-                        help="train gpupar's default to this test accuracy and time it; 0 skips (0.89)")
-    parser.add_argument("--accuracy_epochs", type=int, default=20, help="epochs the accuracy run may take (20)")
-    args = parser.parse_args(argv)
-    if not os.path.isdir(args.data_dir):
-        parser.error(f"--data_dir={args.data_dir} is not a folder; pass the folder with the four Fashion-MNIST "
-                     "IDX files (Debian: apt-get install dataset-fashion-mnist)")
-    for name in ("steps", "repeats", "batch_size", "accuracy_epochs"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name}={getattr(args, name)}: must be at least 1")
-    if not 0 <= args.accuracy_target <= 1:
-        parser.error(f"--accuracy_target={args.accuracy_target}: an accuracy in [0, 1], 0 to skip")
+def define_flags():
+    """The benchmark's flags (defined when it runs: gpupar's command has --data_dir and --batch_size too)."""
+    flags.DEFINE_string("data_dir", None, f"Fashion-MNIST IDX folder; empty: {script.DEFAULT_DATA_DIR}.")
+    flags.DEFINE_string("json", "runs/bench.json", "Write the report here.")
+    flags.DEFINE_string("plot", "runs/bench.png", "Write the images/s plot here; empty for none.")
+    flags.DEFINE_integer("steps", 20, "Timed steps per configuration and round.", lower_bound=1)
+    flags.DEFINE_integer("repeats", 5, "Rounds over all configurations.", lower_bound=1)
+    flags.DEFINE_integer("batch_size", 1024, "Examples per replica per step.", lower_bound=1)
+    flags.DEFINE_list("replicas", ["1", "2", "4"], "Replica counts, e.g. 1,2.")
+    flags.DEFINE_string("only", "", "Only the configurations whose name matches this regular expression.")
+    flags.DEFINE_float("accuracy_target", 0.89, "Train gpupar's default to this test accuracy and time it; 0 skips.",
+                       lower_bound=0, upper_bound=1)
+    flags.DEFINE_integer("accuracy_epochs", 20, "Epochs the accuracy run may take.", lower_bound=1)
+
+
+def _settings():
+    """The flags, checked, as the settings benchmark() takes."""
     try:
-        args.replicas = tuple(sorted({int(r) for r in args.replicas.split(",")}))
+        replicas = tuple(sorted({int(r) for r in FLAGS.replicas}))
     except ValueError:
-        parser.error(f"--replicas={args.replicas}: give replica counts like 1,2,4")
-    if not args.replicas or min(args.replicas) < 1:
-        parser.error(f"--replicas={args.replicas}: counts must be at least 1")
+        raise script.UsageError(f"--replicas={','.join(FLAGS.replicas)}: give replica counts like 1,2,4") from None
+    if not replicas or min(replicas) < 1:
+        raise script.UsageError(f"--replicas={','.join(FLAGS.replicas)}: counts must be at least 1")
     try:
-        args.only = re.compile(args.only)
+        only = re.compile(FLAGS.only)
     except re.error as e:
-        parser.error(f"--only={args.only!r} is not a regular expression ({e})")
-    return args
+        raise script.UsageError(f"--only={FLAGS.only!r} is not a regular expression ({e})") from None
+    return Settings(script.data_dir(FLAGS.data_dir), FLAGS.steps, FLAGS.repeats, FLAGS.batch_size, replicas, only,
+                    FLAGS.accuracy_target, FLAGS.accuracy_epochs)
 
 
-def main(argv: List[str]) -> int:
-    """`gpupar bench [flags]`: runs the benchmark, prints the table, writes JSON and the plot."""
-    args = parse_args(argv)
-    rows = [row for row in configurations(args.replicas, gpu=_has_gpu()) if args.only.search(row.name)]
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """One benchmark run's settings (the flags, checked)."""
+
+    data_dir: str
+    steps: int
+    repeats: int
+    batch_size: int
+    replicas: Tuple[int, ...]
+    only: Any
+    accuracy_target: float
+    accuracy_epochs: int
+
+
+def main() -> int:
+    """Runs the benchmark, prints the table, writes JSON and the plot."""
+    settings = _settings()
+    rows = [row for row in configurations(settings.replicas, gpu=_has_gpu()) if settings.only.search(row.name)]
     if not rows:
-        print(f"gpupar bench: error: no configuration matches --only={args.only.pattern!r}", file=sys.stderr)
-        return 2
+        raise script.UsageError(f"no configuration matches --only={settings.only.pattern!r}")
     started = time.perf_counter()
-    report = benchmark(args, rows, say=lambda message: print(f"[bench] {message}", flush=True))
+    report = benchmark(settings, rows, say=lambda message: print(f"[bench] {message}", flush=True))
     report["seconds"] = time.perf_counter() - started
     print(table(report))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
-    if args.plot:
-        try:
-            plot(report, args.plot)
-            print(f"wrote {args.plot}")
-        except ImportError:
-            print("no plot: matplotlib is missing (pip install 'gpupar[plot]')")
+    if FLAGS.json:
+        script.write_json(FLAGS.json, report)
+    if FLAGS.plot:
+        plot(report, FLAGS.plot)
+        print(f"wrote {FLAGS.plot}")
     print(f"({report['seconds']:.0f} s)")
     return 0
 
@@ -395,4 +409,4 @@ def _has_gpu() -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    script.run("benchmarks.bench", define_flags, main)

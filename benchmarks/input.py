@@ -1,33 +1,33 @@
 """Training images/s with augmentation on the host against on the device, in one run.
 
-    python -m gpupar.bench_input                                   # about 3 minutes on 2 cores
-    python -m gpupar.bench_input --data_dir=/usr/share/datasets/fashion-mnist --json=runs/bench_input.json
-    python -m gpupar.bench_input --steps=4 --repeats=1 --batch_size=64    # quick check
+    python -m benchmarks.input                                   # about 3 minutes on 2 cores (make bench-input)
+    python benchmarks/input.py --data_dir=/usr/share/datasets/fashion-mnist --json=runs/bench_input.json
+    python -m benchmarks.input --steps=4 --repeats=1 --batch_size=64    # quick check
 
 Each round runs `gpupar diagnose` (pipeline alone, step alone, both together) for no
 augmentation, host augmentation and device augmentation, one after the other, so machine noise
 hits the three alike; the table shows the median over rounds and the spread (min-max).
 """
 
-import json
 import logging
 import os
 import statistics
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if __package__ in (None, ""):  # run as a file, python benchmarks/input.py: the repository's root is the package's
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
-from gpupar.bottleneck import MIN_STEPS  # noqa: E402
+from benchmarks import script  # noqa: E402
 from gpupar.config import Config  # noqa: E402
-from gpupar.diagnose import diagnose  # noqa: E402
 from gpupar.errors import GpuparError  # noqa: E402
-from gpupar.teardown import exit_without_teardown  # noqa: E402
+from gpupar.monitor.bottleneck import MIN_STEPS  # noqa: E402
+from gpupar.monitor.diagnose import diagnose  # noqa: E402
 
 FLAGS = flags.FLAGS
-DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
 PLACEMENTS = {"no augmentation": {}, "augment on host": dict(augment=True, augment_on="host"),
               "augment on device": dict(augment=True, augment_on="device")}
 RATES = ("together_images_per_second", "input_images_per_second", "step_images_per_second")
@@ -35,7 +35,7 @@ RATES = ("together_images_per_second", "input_images_per_second", "step_images_p
 
 def define_flags():
     """Defines the flags (only when run: gpupar.cli has --data_dir and --batch_size too)."""
-    flags.DEFINE_string("data_dir", None, f"Folder with the Fashion-MNIST IDX files; default {DEFAULT_DATA_DIR}.")
+    flags.DEFINE_string("data_dir", None, f"Folder with the Fashion-MNIST IDX files; default {script.DEFAULT_DATA_DIR}.")
     flags.DEFINE_string("json", "runs/bench_input.json", "Write the results to this JSON file.")
     flags.DEFINE_integer("steps", 20, "Timed steps per measurement.", lower_bound=MIN_STEPS)
     flags.DEFINE_integer("repeats", 3, "Rounds over the three placements.", lower_bound=1)
@@ -79,39 +79,22 @@ def table(report) -> str:
     return "\n".join(lines)
 
 
-def main(argv):
-    """Checks the flags, runs the rounds, prints the table and writes JSON."""
-    if len(argv) > 1:
-        print(f"gpupar.bench_input: error: unexpected argument(s) {' '.join(argv[1:])}", file=sys.stderr)
-        return 2
+def main() -> int:
+    """Runs the rounds, prints the table and writes JSON."""
     if not FLAGS["verbosity"].present:
         absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("gpupar").setLevel(logging.WARNING)  # diagnose's set-up lines, nine times over
     logging.getLogger("tensorflow").setLevel(logging.ERROR)  # each round traces new functions, by design
-    data_dir = FLAGS.data_dir or DEFAULT_DATA_DIR
     try:
-        report = benchmark(data_dir, FLAGS.batch_size, FLAGS.steps, FLAGS.repeats)
+        report = benchmark(script.data_dir(FLAGS.data_dir), FLAGS.batch_size, FLAGS.steps, FLAGS.repeats)
     except GpuparError as e:
-        print(f"gpupar.bench_input: error: {e}", file=sys.stderr)
+        print(f"benchmarks.input: error: {e}", file=sys.stderr)
         return 1
     print(table(report))
     if FLAGS.json:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
-        with open(FLAGS.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {FLAGS.json}")
+        script.write_json(FLAGS.json, report)
     return 0
 
 
-def _main_and_exit(argv):
-    exit_without_teardown(main(argv))
-
-
-def run():
-    """Defines the flags and runs the benchmark."""
-    define_flags()
-    app.run(_main_and_exit)
-
-
 if __name__ == "__main__":
-    run()
+    script.run("benchmarks.input", define_flags, main)

@@ -1,8 +1,8 @@
 """Training images/s of strategy=model_parallel: 1 vs 4 micro-batches, on 1, 2 and 3 virtual devices.
 
-    python -m gpupar.bench_pipeline                                   # about 5 minutes on 2 cores
-    python -m gpupar.bench_pipeline --json=runs/bench_pipeline.json
-    python -m gpupar.bench_pipeline --steps=2 --repeats=1 --batch_size=32 --lstm_units=16   # quick check
+    python -m benchmarks.pipeline                                   # about 5 minutes on 2 cores
+    python benchmarks/pipeline.py --json=runs/bench_pipeline.json
+    python -m benchmarks.pipeline --steps=2 --repeats=1 --batch_size=32 --lstm_units=16   # quick check
 
 Models: the stacked LSTM with one layer per device (2 and 3 layers) and the ConvNet (2 stages).
 Each model runs split over as many virtual CPUs as it has stages, and, as the baseline, with
@@ -13,7 +13,6 @@ devices that run in parallel, S*M / (M + S - 1); virtual CPUs share the machine'
 ratios ("vs M=1", "vs 1 device") are medians of ratios taken within each round.
 """
 
-import json
 import os
 import platform
 import statistics
@@ -21,24 +20,28 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if __package__ in (None, ""):  # run as a file, python benchmarks/pipeline.py: the repository's root is the package's
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402  (the environment variable must come first)
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
-from gpupar import data  # noqa: E402
+from benchmarks import script  # noqa: E402
 from gpupar.config import Config  # noqa: E402
-from gpupar.devices import configure_devices  # noqa: E402
+from gpupar.data import mnist, pipeline  # noqa: E402
 from gpupar.errors import GpuparError  # noqa: E402
-from gpupar.model import build_convnet, build_lstm, staged_sequential  # noqa: E402
-from gpupar.model_parallel import Pipeline, make_train_function  # noqa: E402
-from gpupar.stages import StagePlan, plan_stages  # noqa: E402
-from gpupar.teardown import exit_without_teardown, keep_for_process  # noqa: E402
+from gpupar.models.convnet import build_convnet  # noqa: E402
+from gpupar.models.lstm import build_lstm  # noqa: E402
+from gpupar.models.sequential import staged_sequential  # noqa: E402
+from gpupar.runtime.devices import configure_devices  # noqa: E402
+from gpupar.runtime.stages import StagePlan, plan_stages  # noqa: E402
+from gpupar.runtime.teardown import keep_for_process  # noqa: E402
+from gpupar.training.pipeline import Pipeline, make_train_function  # noqa: E402
 
 FLAGS = flags.FLAGS
-DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
 MICROBATCHES = (1, 4)
 MAX_DEVICES = 3
 SEED = 0
@@ -47,7 +50,7 @@ MODELS = ("lstm-2", "lstm-3", "convnet")
 
 def define_flags():
     """Defines the flags (only when run as a script)."""
-    flags.DEFINE_string("data_dir", None, f"Folder with the Fashion-MNIST IDX files; default {DEFAULT_DATA_DIR}.")
+    flags.DEFINE_string("data_dir", None, f"Folder with the Fashion-MNIST IDX files; default {script.DEFAULT_DATA_DIR}.")
     flags.DEFINE_string("json", "runs/bench_pipeline.json", "Write the results to this JSON file.")
     flags.DEFINE_integer("steps", 8, "Timed train steps per configuration and round.", lower_bound=1)
     flags.DEFINE_integer("repeats", 3, "Timed rounds over all configurations.", lower_bound=1)
@@ -73,7 +76,7 @@ def ideal_speedup(stages: int, microbatches: int) -> float:
 def configurations(splits, batch_size, lstm_units, names=MODELS):
     """Every configuration of the named models, ready to time: row fields and a `run(steps)` closure."""
     devices = [f"/cpu:{i}" for i in range(MAX_DEVICES)]
-    dataset = data.train_dataset(splits.train_images, splits.train_labels, batch_size, SEED)
+    dataset = pipeline.train_dataset(splits.train_images, splits.train_labels, batch_size, SEED)
     rows = []
     for name, stages, build in [m for m in models(lstm_units) if m[0] in names]:
         for placement, plan in (("1 device", StagePlan(((devices[0],) * stages,))),
@@ -133,7 +136,7 @@ def schedule_probe(splits, batch_size, seconds=0.2, repeats=3):
     schedule beats the critical path, one micro-batch through the three stages: 3 / M x seconds.
     """
     devices = [f"/cpu:{i}" for i in range(MAX_DEVICES)]
-    dataset = data.train_dataset(splits.train_images, splits.train_labels, batch_size, SEED)
+    dataset = pipeline.train_dataset(splits.train_images, splits.train_labels, batch_size, SEED)
     rows = []
     for placement, plan in (("1 device", StagePlan(((devices[0],) * 3,))), ("3 devices", plan_stages(devices, 3))):
         layers = []
@@ -160,7 +163,7 @@ def schedule_probe(splits, batch_size, seconds=0.2, repeats=3):
 
 def benchmark(data_dir, batch_size, steps, repeats, lstm_units, names=MODELS, probe_seconds=0.2):
     """Times every configuration in interleaved rounds; returns the JSON-ready report."""
-    splits = data.load_splits("fashion_mnist", data_dir)
+    splits = mnist.load_splits("fashion_mnist", data_dir)
     rows = configurations(splits, batch_size, lstm_units, names)
     for _ in range(repeats):
         for row in rows:
@@ -203,53 +206,30 @@ def table(report):
     return "\n".join(lines)
 
 
-def main(argv):
+def main() -> int:
     """Checks the flags, configures 3 virtual CPUs, benchmarks, prints the table and writes JSON."""
-    if len(argv) > 1:
-        print(f"gpupar.bench_pipeline: error: unexpected argument(s) {' '.join(argv[1:])}", file=sys.stderr)
-        return 2
     if not FLAGS["verbosity"].present:  # each configuration traces its own function: no retracing warnings
         absl_logging.set_verbosity(absl_logging.ERROR)
-    data_dir = FLAGS.data_dir or DEFAULT_DATA_DIR
-    if not os.path.isdir(data_dir):
-        print(f"gpupar.bench_pipeline: error: no folder {data_dir}; pass --data_dir=DIR, a folder with the "
-              "four IDX files (Debian: apt-get install dataset-fashion-mnist)", file=sys.stderr)
-        return 2
+    data_dir = script.data_dir(FLAGS.data_dir)
     unknown = sorted(set(FLAGS.models) - set(MODELS))
     if unknown:
-        print(f"gpupar.bench_pipeline: error: --models: {', '.join(unknown)} unknown; choose from "
-              f"{', '.join(MODELS)}", file=sys.stderr)
-        return 2
+        raise script.UsageError(f"--models: {', '.join(unknown)} unknown; choose from {', '.join(MODELS)}")
     if FLAGS.batch_size % max(MICROBATCHES):
-        print(f"gpupar.bench_pipeline: error: --batch_size={FLAGS.batch_size} must be a multiple of "
-              f"{max(MICROBATCHES)}", file=sys.stderr)
-        return 2
+        raise script.UsageError(f"--batch_size={FLAGS.batch_size} must be a multiple of {max(MICROBATCHES)}")
     try:
         configure_devices(Config(virtual_cpus=MAX_DEVICES))
         started = time.perf_counter()
         report = benchmark(data_dir, FLAGS.batch_size, FLAGS.steps, FLAGS.repeats, FLAGS.lstm_units, FLAGS.models)
     except GpuparError as e:
-        print(f"gpupar.bench_pipeline: error: {e}", file=sys.stderr)
+        print(f"benchmarks.pipeline: error: {e}", file=sys.stderr)
         return 1
     report["seconds"] = time.perf_counter() - started
     print(table(report))
     if FLAGS.json:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
-        with open(FLAGS.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {FLAGS.json} ({report['seconds']:.0f} s)")
+        script.write_json(FLAGS.json, report)
+    print(f"({report['seconds']:.0f} s)")
     return 0
 
 
-def _main_and_exit(argv):
-    exit_without_teardown(main(argv))
-
-
-def run():
-    """Defines the flags and runs the benchmark."""
-    define_flags()
-    app.run(_main_and_exit)
-
-
 if __name__ == "__main__":
-    run()
+    script.run("benchmarks.pipeline", define_flags, main)

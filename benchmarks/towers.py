@@ -6,7 +6,7 @@ update, batch norm by the fused kernel on feature maps (moments on the dense lay
 statistics from the first tower, the batches fed from NumPy by feed_dict, TensorFlow's default
 thread pools, and on a machine without GPUs one CPU device per tower (ConfigProto.device_count).
 The same layers, initial scale, dropout and weight penalty (build_convnet's defaults, imported
-from gpupar.model), optimizer and batch as gpupar.build_convnet. It lives in a graph of its own,
+from gpupar.models.convnet), optimizer and batch as gpupar.build_convnet. It lives in a graph of its own,
 so it leaves eager TensorFlow alone.
 """
 
@@ -15,7 +15,7 @@ from typing import List
 import numpy as np
 import tensorflow as tf
 
-from gpupar.model import BN_MOMENTUM, DROPOUT, L2, NUM_CLASSES
+from gpupar.models.convnet import BN_MOMENTUM, DROPOUT, L2, NUM_CLASSES
 
 tf1 = tf.compat.v1
 

@@ -1,7 +1,7 @@
-"""One benchmark configuration in a process of its own, timed when gpupar.bench says so.
+"""One benchmark configuration in a process of its own, timed when benchmarks/bench.py says so.
 
-    python -m gpupar.bench_worker '{"runner": "gpupar", "replicas": 2, "options": {}, "data_dir": "...",
-                                    "batch_size": 1024, "steps": 20}'
+    python -m benchmarks.workers --runner=gpupar --replicas=2 --data_dir=/usr/share/datasets/fashion-mnist \
+        --batch_size=1024 --steps=20 --options='{"jit_compile": true}'
 
 Thread pools, virtual CPUs and dtype policies are fixed once TensorFlow starts, so every
 configuration gets a process. It sets up, runs one untimed call and prints a `BENCH {...}` line
@@ -10,11 +10,11 @@ stdin: `run` times `steps` steps and prints their images/s (and, for gpupar, the
 waiting for input, in the steps and on the host); `profile DIR` (gpupar only) does the same under
 the TensorBoard profiler and adds the op time by kind; `quit` prints the peak memory and exits.
 
-Runners: `gpupar` (gpupar's loop with Config options), `fit` (Keras model.fit on the same
+Runners: `gpupar` (gpupar's engine with Config options), `fit` (Keras model.fit on the same
 model, data and strategy; options: steps_per_execution, gpupar_threads, keras_batch_norm: the
 ConvNet with Keras' own BatchNormalization, as plain Keras code has it), `towers` (the classic
-TF1 tower code of gpupar.towers, a tower per replica) and `matmul` (the
-float32 and bfloat16 matrix-multiply rates, for the roofline).
+TF1 tower code of benchmarks/towers.py, a tower per replica) and `matmul` (the float32 and
+bfloat16 matrix-multiply rates, for the roofline).
 """
 
 import json
@@ -25,6 +25,12 @@ import time
 
 STARTED = time.perf_counter()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import flags  # noqa: E402
+
+from benchmarks import script  # noqa: E402
+
+FLAGS = flags.FLAGS
 
 
 def say(**values):
@@ -79,45 +85,30 @@ def serve(run_steps, steps, on_profile=None):
 
 
 def gpupar_runner(spec):
-    """gpupar's own loop, set up as gpupar.fit_mnist would: calls of steps_in_a_call steps."""
-    import tensorflow as tf
-
-    from gpupar.assembly import assemble, train_iterator
+    """gpupar's engine, set up as gpupar.fit_mnist would: calls of steps_per_call steps."""
+    from benchmarks.ops import op_seconds
     from gpupar.config import Config
-    from gpupar.profiling import op_seconds
-    from gpupar.train import assembled_train_function
+    from gpupar.training.engine import build_engine
 
     replicas = spec["replicas"]
     config = Config(dataset="fashion_mnist", data_dir=spec["data_dir"], batch_size=spec["batch_size"],
                     virtual_cpus=replicas if replicas > 1 else None, **spec["options"])
-    run = assemble(config)
-    if run.plan.num_replicas != replicas:
-        raise SystemExit(f"bench_worker: asked for {replicas} replicas, got {run.plan.describe()}")
-    train, iterator = assembled_train_function(run), train_iterator(config, run)
-    per_call = config.steps_in_a_call(run.steps_per_epoch)
-
-    def calls(steps, first=False):
-        """Runs steps in calls of per_call, reading each call's results as the loop does."""
-        waited = busy = 0.0
-        done = 0
-        while done < steps:
-            num = min(per_call, steps - done)
-            loss, correct, wait, step = (float(t) for t in train(iterator, tf.constant(num), tf.constant(first)))
-            waited, busy, done = waited + wait, busy + step, done + num
-        return waited, busy
-
-    calls(1, first=True)
-    say(first_step_seconds=time.perf_counter() - STARTED, strategy=";".join(run.plan.describe().split(";")[:2]),
-        steps_per_call=per_call)
-    calls(per_call)  # a full-size call, untimed
+    engine = build_engine(config)
+    if engine.replicas != replicas:
+        raise SystemExit(f"benchmarks.workers: asked for {replicas} replicas, got {engine.description}")
+    iterator = engine.make_input(0)
+    engine.run_calls(iterator, 1, first_call=True)
+    say(first_step_seconds=time.perf_counter() - STARTED, strategy=";".join(engine.description.split(";")[:2]),
+        steps_per_call=engine.steps_per_call)
+    engine.run_calls(iterator, engine.steps_per_call)  # a full-size call, untimed
 
     def timed(steps):
         started, cpu = time.perf_counter(), cpu_seconds()
-        waited, busy = calls(steps)
+        results = engine.run_calls(iterator, steps)
         seconds = time.perf_counter() - started
-        return {"images_per_second": steps * run.global_batch / seconds, "input_wait_seconds": waited,
-                "step_seconds": busy, "host_seconds": seconds - waited - busy, "seconds": seconds,
-                "cores_busy": (cpu_seconds() - cpu) / seconds}
+        return {"images_per_second": steps * engine.global_batch / seconds, "input_wait_seconds": results.waited,
+                "step_seconds": results.busy, "host_seconds": seconds - results.waited - results.busy,
+                "seconds": seconds, "cores_busy": (cpu_seconds() - cpu) / seconds}
 
     serve(timed, spec["steps"], on_profile=lambda directory: {"op_seconds": op_seconds(directory)})
 
@@ -127,11 +118,11 @@ def fit_runner(spec):
     import keras
     import tensorflow as tf
 
-    from gpupar import data
-    from gpupar.devices import plan_threads
-    from gpupar.idx import load_idx_dir
-    from gpupar.model import build_convnet
-    from gpupar.strategy import build_strategy, detected_plan
+    from gpupar.data import mnist, pipeline
+    from gpupar.runtime.devices import plan_threads
+    from gpupar.data.idx import load_idx_dir
+    from gpupar.models.convnet import build_convnet
+    from gpupar.runtime.strategy import build_strategy, detected_plan
 
     replicas, options = spec["replicas"], spec["options"]
     if options.get("gpupar_threads"):
@@ -180,7 +171,7 @@ def fit_runner(spec):
                 say(images_per_second=spec["steps"] * global_batch / seconds, seconds=seconds,
                     cores_busy=(cpu_seconds() - self.cpu) / seconds)
 
-    dataset = data.train_dataset(splits.train_images, splits.train_labels, global_batch, 0)
+    dataset = pipeline.train_dataset(splits.train_images, splits.train_labels, global_batch, 0)
     model.fit(dataset, epochs=10**9, steps_per_epoch=spec["steps"], callbacks=[Driven()], verbose=0)
 
 
@@ -188,8 +179,8 @@ def matmul_runner(spec):
     """The float32 and bfloat16 matrix-multiply rates, measured again at every run, and the ConvNet's FLOPs."""
     import tensorflow as tf
 
-    from gpupar.model import build_convnet
-    from gpupar.roofline import matmul_flops_per_second, training_flops_per_example
+    from gpupar.models.convnet import build_convnet
+    from benchmarks.roofline import matmul_flops_per_second, training_flops_per_example
 
     say(first_step_seconds=time.perf_counter() - STARTED, strategy="matmul 2048x2048", steps_per_call=1,
         flops_per_image=training_flops_per_example(build_convnet()))
@@ -202,8 +193,8 @@ def towers_runner(spec):
     import numpy as np
     import tensorflow as tf
 
-    from gpupar.idx import load_idx_dir
-    from gpupar.towers import TowerTrainer
+    from gpupar.data.idx import load_idx_dir
+    from benchmarks.towers import TowerTrainer
 
     towers, batch = spec["replicas"], spec["batch_size"]
     num_gpus = len(tf.config.list_physical_devices("GPU"))
@@ -242,13 +233,23 @@ def towers_runner(spec):
 RUNNERS = {"gpupar": gpupar_runner, "fit": fit_runner, "towers": towers_runner, "matmul": matmul_runner}
 
 
-def main(argv):
-    spec = json.loads(argv[1])
-    from gpupar.teardown import exit_without_teardown
+def define_flags():
+    """The worker's flags: which configuration it runs."""
+    flags.DEFINE_enum("runner", None, list(RUNNERS), "What to run.", required=True)
+    flags.DEFINE_integer("replicas", 1, "Data-parallel replicas (virtual CPUs without GPUs).", lower_bound=1)
+    flags.DEFINE_string("data_dir", script.DEFAULT_DATA_DIR, "Fashion-MNIST IDX folder.")
+    flags.DEFINE_integer("batch_size", 1024, "Examples per replica per step.", lower_bound=1)
+    flags.DEFINE_integer("steps", 20, "Steps per timed run.", lower_bound=1)
+    flags.DEFINE_string("options", "{}", "The configuration's options as a JSON object (Config fields for gpupar).")
 
+
+def main() -> int:
+    """Runs the configuration the flags name, answering the driver's commands on stdin."""
+    spec = {"runner": FLAGS.runner, "replicas": FLAGS.replicas, "data_dir": FLAGS.data_dir,
+            "batch_size": FLAGS.batch_size, "steps": FLAGS.steps, "options": json.loads(FLAGS.options)}
     RUNNERS[spec["runner"]](spec)
-    exit_without_teardown(0)
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    script.run("benchmarks.workers", define_flags, main)
