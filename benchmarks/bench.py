@@ -41,6 +41,7 @@ from benchmarks import script  # noqa: E402
 FLAGS = flags.FLAGS
 
 GPUPAR, FIT, TOWERS = "gpupar", "model.fit", "TF1 tower code"
+USER_GPUPAR, USER_FIT = "gpupar.fit, a user CNN", "model.fit, a user CNN"
 TUNED_STEPS_PER_EXECUTION = 10  # as gpupar's calls: display_step steps
 
 
@@ -73,7 +74,8 @@ def configurations(replicas=(1, 2, 4), gpu: bool = False) -> List[Configuration]
     replica steps_per_call=1 (gpupar picks display_step), jit_compile and the machine's mixed
     precision; with several replicas, TensorFlow's thread pools instead of gpupar's, for gpupar
     and for model.fit. One more model.fit row runs the ConvNet with Keras' own batch norm layer:
-    what plain Keras code gets.
+    what plain Keras code gets. Last, gpupar.fit against model.fit on a CNN of a user's
+    (benchmarks/user_model.py) at 1 and 2 replicas.
     """
     rows = []
     for r in replicas:
@@ -81,6 +83,9 @@ def configurations(replicas=(1, 2, 4), gpu: bool = False) -> List[Configuration]
                  Configuration(f"{FIT} steps_per_execution={TUNED_STEPS_PER_EXECUTION}", "fit", r,
                                (("steps_per_execution", TUNED_STEPS_PER_EXECUTION),)),
                  Configuration(TOWERS, "towers", r)]
+    user = (("user_model", True),)
+    rows += [Configuration(name, runner, r, user) for r in replicas if r <= 2
+             for name, runner in ((USER_GPUPAR, "gpupar"), (USER_FIT, "fit"))]
     if 1 in replicas:
         mixed = "mixed_float16" if gpu else "mixed_bfloat16"
         rows += [Configuration(f"{FIT}, Keras' BatchNormalization", "fit", 1, (("keras_batch_norm", True),)),
@@ -163,13 +168,13 @@ def summarise(rows: List[Configuration], ready: Dict[str, dict], runs: Dict[str,
                   "images_per_second": rates[key], **_spread(rates[key]),
                   "first_step_seconds": ready[key]["first_step_seconds"], "peak_memory": memory.get(key),
                   "cores_busy": statistics.median(r["cores_busy"] for r in runs[key])}
-        fit = Configuration(FIT, "fit", row.replicas).key
+        fit = f"{USER_FIT if row.name == USER_GPUPAR else FIT} x{row.replicas}"
         if fit in rates and key != fit:
             record["vs_model_fit"] = _paired_ratio(rates[key], rates[fit])
         single = Configuration(row.name, row.runner, 1, row.options).key
         if row.replicas > 1 and single in rates:
             record["vs_one_replica"] = _paired_ratio(rates[key], rates[single])
-        if matmul and flops_per_image:
+        if matmul and flops_per_image and not dict(row.options).get("user_model"):  # the ConvNet's FLOPs
             peak = matmul["bfloat16_flops" if "bfloat16" in row.name else "float32_flops"]
             record["roofline_fraction"] = record["median"] * flops_per_image / peak
         if row.runner == "gpupar":
@@ -190,6 +195,8 @@ def headlines(runs: Dict[str, List[dict]]) -> Dict[str, float]:
         "gpupar 2 replicas / 1 replica": ("gpupar x2", "gpupar x1"),
         "gpupar 4 replicas / 1 replica": ("gpupar x4", "gpupar x1"),
         "TF1 tower code 2 towers / 1 tower": (f"{TOWERS} x2", f"{TOWERS} x1"),
+        "gpupar.fit / model.fit, a user CNN, 1 replica": (f"{USER_GPUPAR} x1", f"{USER_FIT} x1"),
+        "gpupar.fit / model.fit, a user CNN, 2 replicas": (f"{USER_GPUPAR} x2", f"{USER_FIT} x2"),
         "gpupar / TF1 tower code, 1 replica": ("gpupar x1", f"{TOWERS} x1"),
         "gpupar / TF1 tower code, 2 replicas": ("gpupar x2", f"{TOWERS} x2"),
     }
@@ -280,7 +287,7 @@ def time_to_accuracy(data_dir: str, target: float, max_epochs: int, work_dir: st
     with open(metrics) as f:
         result = json.load(f)
     return {"target": target, "seconds": seconds, "epochs": len(result["history"]),
-            "test_accuracy": result["test_accuracy"], "reached": result["test_accuracy"] >= target,
+            "test_accuracy": result["logs"]["val_accuracy"], "reached": result["logs"]["val_accuracy"] >= target,
             "training_seconds": result["total_seconds"]}
 
 

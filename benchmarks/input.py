@@ -25,12 +25,12 @@ from benchmarks import script  # noqa: E402
 from gpupar.config import Config  # noqa: E402
 from gpupar.errors import GpuparError  # noqa: E402
 from gpupar.monitor.bottleneck import MIN_STEPS  # noqa: E402
-from gpupar.monitor.diagnose import diagnose  # noqa: E402
+from gpupar import diagnose_mnist  # noqa: E402
 
 FLAGS = flags.FLAGS
 PLACEMENTS = {"no augmentation": {}, "augment on host": dict(augment=True, augment_on="host"),
               "augment on device": dict(augment=True, augment_on="device")}
-RATES = ("together_images_per_second", "input_images_per_second", "step_images_per_second")
+RATES = ("together_examples_per_second", "input_examples_per_second", "step_examples_per_second")
 
 
 def define_flags():
@@ -50,7 +50,7 @@ def benchmark(data_dir, batch_size, steps, repeats) -> dict:
         for name, options in PLACEMENTS.items():
             config = Config(data_dir=data_dir, dataset="fashion_mnist", batch_size=batch_size,
                             strategy="one_device", **options)
-            report = diagnose(config, steps)
+            report = diagnose_mnist(config, steps)
             for key in results[name]:
                 results[name][key].append(getattr(report, key))
             verdicts[name].append(report.bound_by)
@@ -67,13 +67,13 @@ def table(report) -> str:
     lines = [f"{'':<20} {'training img/s (median, min-max)':>34} {'pipeline alone':>15} {'step alone':>11}"
              f" {'input wait':>11}  bound by"]
     for name, values in report["results"].items():
-        together = values["together_images_per_second"]
+        together = values["together_examples_per_second"]
         lines.append(
             f"{name:<20} {statistics.median(together):>12,.0f} ({min(together):,.0f}-{max(together):,.0f})"
-            f"{'':>4} {statistics.median(values['input_images_per_second']):>15,.0f}"
-            f" {statistics.median(values['step_images_per_second']):>11,.0f}"
+            f"{'':>4} {statistics.median(values['input_examples_per_second']):>15,.0f}"
+            f" {statistics.median(values['step_examples_per_second']):>11,.0f}"
             f" {statistics.median(values['input_wait_fraction']):>11.0%}  {_verdicts(report['bound_by'][name])}")
-    host, device = (statistics.median(report["results"][n]["together_images_per_second"])
+    host, device = (statistics.median(report["results"][n]["together_examples_per_second"])
                     for n in ("augment on host", "augment on device"))
     lines.append(f"augmentation on the device trains {device / host:.2f}x as fast as on the host")
     return "\n".join(lines)

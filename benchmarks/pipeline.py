@@ -76,7 +76,7 @@ def ideal_speedup(stages: int, microbatches: int) -> float:
 def configurations(splits, batch_size, lstm_units, names=MODELS):
     """Every configuration of the named models, ready to time: row fields and a `run(steps)` closure."""
     devices = [f"/cpu:{i}" for i in range(MAX_DEVICES)]
-    dataset = pipeline.train_dataset(splits.train_images, splits.train_labels, batch_size, SEED)
+    dataset = pipeline.train_dataset((splits.train_images, splits.train_labels), batch_size, SEED, transform=mnist.normalise)
     rows = []
     for name, stages, build in [m for m in models(lstm_units) if m[0] in names]:
         for placement, plan in (("1 device", StagePlan(((devices[0],) * stages,))),
@@ -90,7 +90,7 @@ def configurations(splits, batch_size, lstm_units, names=MODELS):
                 iterator = keep_for_process(iter(dataset))
 
                 def run(steps, train=train, iterator=iterator):
-                    float(train(iterator, tf.constant(steps))[0])  # waits for the step to finish
+                    float(train(iterator, tf.constant(steps))[0][0])  # waits for the step to finish
 
                 run(1)  # tracing
                 rows.append({"model": name, "stages": stages, "placement": placement,
@@ -136,7 +136,7 @@ def schedule_probe(splits, batch_size, seconds=0.2, repeats=3):
     schedule beats the critical path, one micro-batch through the three stages: 3 / M x seconds.
     """
     devices = [f"/cpu:{i}" for i in range(MAX_DEVICES)]
-    dataset = pipeline.train_dataset(splits.train_images, splits.train_labels, batch_size, SEED)
+    dataset = pipeline.train_dataset((splits.train_images, splits.train_labels), batch_size, SEED, transform=mnist.normalise)
     rows = []
     for placement, plan in (("1 device", StagePlan(((devices[0],) * 3,))), ("3 devices", plan_stages(devices, 3))):
         layers = []
@@ -148,11 +148,11 @@ def schedule_probe(splits, batch_size, seconds=0.2, repeats=3):
         for microbatches in MICROBATCHES:
             train = make_train_function(Pipeline(model, plan, microbatches), optimizer, batch_size)
             iterator = keep_for_process(iter(dataset))
-            float(train(iterator, tf.constant(1))[0])  # tracing
+            float(train(iterator, tf.constant(1))[0][0])  # tracing
             times = []
             for _ in range(repeats):
                 started = time.perf_counter()
-                float(train(iterator, tf.constant(1))[0])
+                float(train(iterator, tf.constant(1))[0][0])
                 times.append(time.perf_counter() - started)
             rows.append({"placement": placement, "microbatches": microbatches, "stage_seconds": seconds,
                          "step_seconds": statistics.median(times), "one_after_another": 3 * seconds,

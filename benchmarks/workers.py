@@ -12,7 +12,8 @@ the TensorBoard profiler and adds the op time by kind; `quit` prints the peak me
 
 Runners: `gpupar` (gpupar's engine with Config options), `fit` (Keras model.fit on the same
 model, data and strategy; options: steps_per_execution, gpupar_threads, keras_batch_norm: the
-ConvNet with Keras' own BatchNormalization, as plain Keras code has it), `towers` (the classic
+ConvNet with Keras' own BatchNormalization, as plain Keras code has it); for both, the option
+user_model trains benchmarks/user_model.py's CNN instead (gpupar through gpupar.fit's path), `towers` (the classic
 TF1 tower code of benchmarks/towers.py, a tower per replica) and `matmul` (the float32 and
 bfloat16 matrix-multiply rates, for the roofline).
 """
@@ -87,13 +88,24 @@ def serve(run_steps, steps, on_profile=None):
 def gpupar_runner(spec):
     """gpupar's engine, set up as gpupar.fit_mnist would: calls of steps_per_call steps."""
     from benchmarks.ops import op_seconds
+    from benchmarks.user_model import user_cnn, user_loss
     from gpupar.config import Config
+    from gpupar.data.idx import load_idx_dir
     from gpupar.training.engine import build_engine
+    from gpupar.training.presets import mnist_task
+    from gpupar.training.task import user_task
 
-    replicas = spec["replicas"]
+    replicas, options = spec["replicas"], dict(spec["options"])
+    user = options.pop("user_model", False)
     config = Config(dataset="fashion_mnist", data_dir=spec["data_dir"], batch_size=spec["batch_size"],
-                    virtual_cpus=replicas if replicas > 1 else None, **spec["options"])
-    engine = build_engine(config)
+                    virtual_cpus=replicas if replicas > 1 else None, **options)
+    if user:  # the user CNN through gpupar.fit's own path
+        splits = load_idx_dir(spec["data_dir"])
+        task = user_task(user_cnn, (splits.train_images, splits.train_labels), None, user_loss(), ["accuracy"],
+                         None, ())
+    else:
+        task = mnist_task(config)
+    engine = build_engine(config, task)
     if engine.replicas != replicas:
         raise SystemExit(f"benchmarks.workers: asked for {replicas} replicas, got {engine.description}")
     iterator = engine.make_input(0)
@@ -122,6 +134,7 @@ def fit_runner(spec):
     from gpupar.runtime.devices import plan_threads
     from gpupar.data.idx import load_idx_dir
     from gpupar.models.convnet import build_convnet
+    from benchmarks.user_model import user_cnn
     from gpupar.runtime.strategy import build_strategy, detected_plan
 
     replicas, options = spec["replicas"], spec["options"]
@@ -138,7 +151,8 @@ def fit_runner(spec):
     global_batch = spec["batch_size"] * replicas
     keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = build_convnet(xla_batch_norm=not options.get("keras_batch_norm"))
+        model = user_cnn() if options.get("user_model") else build_convnet(
+            xla_batch_norm=not options.get("keras_batch_norm"))
         model.compile(optimizer=keras.optimizers.Adam(1e-3),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
                       steps_per_execution=options.get("steps_per_execution", 1))
@@ -171,7 +185,9 @@ def fit_runner(spec):
                 say(images_per_second=spec["steps"] * global_batch / seconds, seconds=seconds,
                     cores_busy=(cpu_seconds() - self.cpu) / seconds)
 
-    dataset = pipeline.train_dataset(splits.train_images, splits.train_labels, global_batch, 0)
+    # The same input pipeline as gpupar's: for the user CNN the uint8 images, which it rescales itself.
+    dataset = pipeline.train_dataset((splits.train_images, splits.train_labels), global_batch, 0,
+                                     transform=None if options.get("user_model") else mnist.normalise)
     model.fit(dataset, epochs=10**9, steps_per_epoch=spec["steps"], callbacks=[Driven()], verbose=0)
 
 

@@ -36,4 +36,4 @@ if status:
     sys.exit(status)
 metrics = json.load(open(f"{run_dir}/metrics.json"))
 print(f"2 workers: {metrics['replicas']} replicas, global batch {metrics['global_batch']}, "
-      f"test accuracy {metrics['test_accuracy']:.4f}; checkpoints: {sorted(os.listdir(f'{run_dir}/model'))}")
+      f"test accuracy {metrics['logs']['val_accuracy']:.4f}; checkpoints: {sorted(os.listdir(f'{run_dir}/model'))}")

@@ -32,4 +32,4 @@ if status:
     sys.exit(status)
 metrics = json.load(open(f"{run_dir}/metrics.json"))
 print(f"parameter server: {metrics['replicas']} workers, batch {metrics['global_batch']} per step, "
-      f"test accuracy {metrics['test_accuracy']:.4f}")
+      f"test accuracy {metrics['logs']['val_accuracy']:.4f}")

@@ -165,10 +165,10 @@ def _devices(config):
 
 
 def _diagnose(config):
-    from gpupar.monitor.diagnose import diagnose
+    from gpupar import diagnose_mnist
 
     try:
-        report = diagnose(config, FLAGS.diagnose_steps)
+        report = diagnose_mnist(config, FLAGS.diagnose_steps)
     except GpuparError as e:
         return _error(e, 1)
     print(report.to_json() if FLAGS.json else report.format(), flush=True)
@@ -194,10 +194,11 @@ def _launch(task_flags):
 
 def _train(config):
     from gpupar.training.interrupt import TrainingInterrupted
+    from gpupar.training.presets import mnist_task
     from gpupar.training.run import train_and_evaluate
 
     try:
-        train_and_evaluate(config)
+        train_and_evaluate(config, mnist_task(config))
     except TrainingInterrupted as e:
         print(f"gpupar: {e}", file=sys.stderr)
         return e.exit_status

@@ -7,11 +7,14 @@ TensorFlow work starts.
 import dataclasses
 import os
 import re
-from typing import Optional, Tuple, Union
+from typing import Mapping, Optional, Tuple, Union
 
 from gpupar.errors import GpuparError
 
 AUGMENT_PLACEMENTS = ("device", "host")
+# The options of the MNIST presets (gpupar.fit_mnist), which gpupar.fit refuses.
+MNIST_OPTIONS = ("dataset", "data_dir", "model", "dropout", "sync_batch_norm", "augment", "augment_on", "lstm_layers",
+                 "lstm_units", "stop_at_accuracy")
 STRATEGIES = ("auto", "one_device", "mirrored", "central_storage", "multi_worker_mirrored", "parameter_server")
 # gpupar's own pipeline (gpupar/training/pipeline.py), not a tf.distribute strategy.
 MODEL_PARALLEL = "model_parallel"
@@ -32,7 +35,8 @@ class Config:
 
     Attributes:
       epochs: Total epochs to train; a resumed run stops at the same total.
-      stop_at_accuracy: Stop after the first epoch whose test accuracy reaches this (e.g. 0.89); empty trains all epochs.
+      stop_at_accuracy: MNIST presets: stop after the first epoch whose test accuracy reaches this (e.g. 0.89); empty trains all epochs.
+      stop_at: Stop after the first epoch whose logs reach these, e.g. "val_accuracy=0.9" (a loss: at or below); empty trains all epochs.
       batch_size: Examples per replica per step; the global batch is this times the replicas.
       learning_rate: Adam learning rate.
       strategy: auto, one_device, mirrored, central_storage, multi_worker_mirrored, parameter_server or model_parallel.
@@ -61,6 +65,7 @@ class Config:
       seed: Seed for weights, shuffling and dropout.
       steps_per_epoch: Cap on the steps of each epoch, for quick runs; empty for a full pass.
       metrics_json: Write the per-epoch history and final metrics to this JSON file; empty: model_dir/metrics.json (none with save=False).
+      export_path: Save the trained model here as a .keras file that keras.models.load_model reads with Keras alone.
       augment: Randomly shift, rotate and zoom the training images.
       augment_on: Where augmentation runs: device (in the train step, batched) or host (tf.data, per image).
       num_parallel_calls: Threads for the tf.data map; empty lets tf.data tune it (AUTOTUNE).
@@ -80,6 +85,7 @@ class Config:
 
     epochs: int = 5
     stop_at_accuracy: Optional[float] = None
+    stop_at: Optional[Mapping[str, float]] = None
     batch_size: int = 1024
     learning_rate: float = 1e-3
     strategy: str = "auto"
@@ -108,6 +114,7 @@ class Config:
     seed: int = 0
     steps_per_epoch: Optional[int] = None
     metrics_json: Optional[str] = None
+    export_path: Optional[str] = None
     augment: bool = False
     augment_on: str = "device"
     num_parallel_calls: Optional[int] = None
@@ -128,7 +135,8 @@ class Config:
         object.__setattr__(self, "gpus", _parse_gpus(self.gpus))
         object.__setattr__(self, "profile_steps", _parse_profile_steps(self.profile_steps))
         object.__setattr__(self, "devices", _parse_devices(self.devices))
-        for name in ("data_dir", "model_dir", "log_dir", "metrics_json"):
+        object.__setattr__(self, "stop_at", _parse_stop_at(self.stop_at))
+        for name in ("data_dir", "model_dir", "log_dir", "metrics_json", "export_path"):
             if getattr(self, name) == "":
                 object.__setattr__(self, name, None)
         if self.resume in ("", None):
@@ -150,9 +158,16 @@ class Config:
         """Train steps per tf.function call: steps_per_call, else display_step capped at the epoch."""
         return self.steps_per_call or min(self.display_step, steps_per_epoch)
 
-    def reached_target(self, test_accuracy: float) -> bool:
-        """Whether training should stop here, having reached stop_at_accuracy."""
-        return self.stop_at_accuracy is not None and test_accuracy >= self.stop_at_accuracy
+    def reached(self, logs) -> Optional[str]:
+        """Why training should stop after an epoch with these logs (stop_at, stop_at_accuracy), or None."""
+        targets = dict(self.stop_at or {})
+        if self.stop_at_accuracy is not None:
+            targets["val_accuracy"] = self.stop_at_accuracy
+        for name, target in targets.items():
+            value = logs.get(name)
+            if value is not None and (value <= target if "loss" in name else value >= target):
+                return f"{name} {value:.4f} reached {target}"
+        return None
 
     @property
     def resume_path(self) -> Optional[str]:
@@ -212,6 +227,23 @@ def _parse_profile_steps(steps):
     if not 1 <= first <= last:
         raise GpuparError(f"profile_steps={quote(steps)}: need 1 <= first <= last (steps count from 1); {hint}")
     return first, last
+
+
+def _parse_stop_at(stop_at):
+    if stop_at is None or stop_at == "" or stop_at == {}:
+        return None
+    hint = "give log names and targets, e.g. stop_at='val_accuracy=0.9' or {'val_accuracy': 0.9}"
+    if isinstance(stop_at, str):
+        pairs = [item.split("=", 1) for item in stop_at.split(",")]
+        if any(len(pair) != 2 for pair in pairs):
+            raise GpuparError(f"stop_at={stop_at!r}: {hint}")
+        stop_at = {name.strip(): value for name, value in pairs}
+    if not isinstance(stop_at, Mapping):
+        raise GpuparError(f"stop_at={quote(stop_at)}: {hint}")
+    try:
+        return {str(name): float(value) for name, value in stop_at.items()}
+    except (TypeError, ValueError):
+        raise GpuparError(f"stop_at={quote(stop_at)}: a target is not a number; {hint}") from None
 
 
 def _parse_devices(devices):
@@ -315,8 +347,11 @@ def _validate_data(c: Config):
 
 
 def _validate_outputs(c: Config):
-    """Checkpoints, summaries, metrics and resuming."""
-    for name in ("log_dir", "metrics_json"):
+    """Checkpoints, summaries, metrics, the exported model and resuming."""
+    if c.export_path is not None:
+        _check(c.export_path.endswith(".keras"), f"export_path={quote(c.export_path)}: Keras saves models as .keras "
+               "files; give a path that ends in .keras")
+    for name in ("log_dir", "metrics_json", "export_path"):
         path = getattr(c, name)
         if path is not None:
             _check(_can_create(path), f"{name}={quote(path)} cannot be written; choose a path in a folder you can write")

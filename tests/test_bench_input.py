@@ -19,5 +19,5 @@ def test_quick_input_benchmark_measures_every_placement(tmp_path):
     report = json.loads(out.read_text())
     assert set(report["results"]) == {"no augmentation", "augment on host", "augment on device"}
     for values in report["results"].values():
-        assert len(values["together_images_per_second"]) == 1 and values["together_images_per_second"][0] > 0
+        assert len(values["together_examples_per_second"]) == 1 and values["together_examples_per_second"][0] > 0
     assert "augmentation on the device trains" in done.stdout

@@ -90,9 +90,14 @@ def test_steps_per_call_defaults_to_display_step_capped_at_the_epoch():
     assert Config(display_step=100, steps_per_call=3).steps_in_a_call(8) == 3
 
 
-def test_stop_at_accuracy_is_reached_at_or_above_the_target():
-    assert Config(stop_at_accuracy=0.89).reached_target(0.89) and not Config(stop_at_accuracy=0.89).reached_target(0.8899)
-    assert not Config().reached_target(1.0)
+def test_stop_targets_are_reached_at_or_above_a_metric_and_at_or_below_a_loss():
+    assert Config(stop_at_accuracy=0.89).reached({"val_accuracy": 0.89}) == "val_accuracy 0.8900 reached 0.89"
+    assert not Config(stop_at_accuracy=0.89).reached({"val_accuracy": 0.8899})
+    assert Config(stop_at="val_loss=0.5,accuracy=0.99").reached({"val_loss": 0.5, "accuracy": 0.5})
+    assert not Config(stop_at={"val_loss": 0.5}).reached({"val_loss": 0.51})
+    assert not Config().reached({"val_accuracy": 1.0})
+    with pytest.raises(GpuparError, match="stop_at='val_loss': give log names and targets"):
+        Config(stop_at="val_loss")
 
 
 def test_unknown_option_is_an_error_listing_valid_ones():

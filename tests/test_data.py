@@ -17,39 +17,39 @@ def _labels_of(ds, n):
 
 
 def test_batches_are_normalised_and_full():
-    images, labels = next(iter(pipeline.train_dataset(IMAGES.astype(np.uint8), LABELS, 8, seed=0)))
+    images, labels = next(iter(pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 8, seed=0, transform=mnist.normalise)))
     assert images.shape == (8, 28, 28, 1) and images.dtype == tf.float32
     assert 0.0 <= float(tf.reduce_min(images)) and float(tf.reduce_max(images)) <= 1.0
 
 
 def test_each_pass_is_a_new_permutation_of_every_example():
-    batches = _labels_of(pipeline.train_dataset(IMAGES.astype(np.uint8), LABELS, 8, seed=0), 10)
+    batches = _labels_of(pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 8, seed=0, transform=mnist.normalise), 10)
     first, second = sum(batches[:5], []), sum(batches[5:], [])
     assert sorted(first) == sorted(second) == list(range(40))
     assert first != second
 
 
 def test_order_depends_on_the_seed():
-    ds = lambda seed: pipeline.train_dataset(IMAGES.astype(np.uint8), LABELS, 8, seed=seed)  # noqa: E731
+    ds = lambda seed: pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 8, seed=seed, transform=mnist.normalise)  # noqa: E731
     assert _labels_of(ds(0), 3) == _labels_of(ds(0), 3) != _labels_of(ds(1), 3)
 
 
 def test_resumed_stream_continues_where_the_run_stopped():
-    full = _labels_of(pipeline.train_dataset(IMAGES.astype(np.uint8), LABELS, 8, seed=3), 17)
-    resumed = _labels_of(pipeline.train_dataset(IMAGES.astype(np.uint8), LABELS, 8, seed=3, start_step=7), 10)
+    full = _labels_of(pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 8, seed=3, transform=mnist.normalise), 17)
+    resumed = _labels_of(pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 8, seed=3, start_step=7, transform=mnist.normalise), 10)
     assert resumed == full[7:]
 
 
 def test_global_batch_larger_than_the_data_is_a_clear_error():
     with pytest.raises(GpuparError, match="fewer than one global batch of 64"):
-        pipeline.train_dataset(IMAGES.astype(np.uint8), LABELS, 64, seed=0)
+        pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 64, seed=0, transform=mnist.normalise)
 
 
 @pytest.mark.parametrize("devices", [["/cpu:0"], ["/cpu:0", "/cpu:1", "/cpu:2"]])
 def test_test_pass_covers_every_example_once_partial_batch_included(devices):
     strategy = tf.distribute.MirroredStrategy(devices)
     global_batch = 6 * len(devices)
-    ds = pipeline.test_dataset(IMAGES.astype(np.uint8), LABELS, global_batch)
+    ds = pipeline.eval_dataset((IMAGES.astype(np.uint8), LABELS), global_batch, mnist.normalise)
     it = iter(strategy.experimental_distribute_dataset(ds))
     steps = pipeline.test_steps(len(LABELS), global_batch)
     for _ in range(2):  # the same persistent iterator serves every evaluation

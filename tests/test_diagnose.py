@@ -9,7 +9,7 @@ import pytest
 
 from conftest import make_idx_dir
 from gpupar.config import Config
-from gpupar.monitor.diagnose import diagnose
+from gpupar import diagnose_mnist as diagnose
 from gpupar.errors import GpuparError
 
 
@@ -25,8 +25,8 @@ def _config(idx_dir, **options):
 def test_slow_host_augmentation_is_input_bound(idx_dir, slow_host_warp):
     report = diagnose(_config(idx_dir, augment=True, augment_on="host"), steps=4)
     assert report.input_bound and report.bound_by == "input pipeline"
-    assert report.input_images_per_second < report.step_images_per_second
-    assert report.together_images_per_second < report.step_images_per_second
+    assert report.input_examples_per_second < report.step_examples_per_second
+    assert report.together_examples_per_second < report.step_examples_per_second
     assert "use --augment_on=device" in report.recommendations[0]
     assert "input-bound; training is bound by the input pipeline" in report.format()
 
@@ -34,7 +34,7 @@ def test_slow_host_augmentation_is_input_bound(idx_dir, slow_host_warp):
 def test_device_augmentation_is_bound_by_the_step(idx_dir):
     report = diagnose(_config(idx_dir, augment=True), steps=4)
     assert not report.input_bound and report.bound_by == "train step"
-    assert report.input_images_per_second > report.step_images_per_second
+    assert report.input_examples_per_second > report.step_examples_per_second
     assert report.recommendations and "--augment_on" not in report.recommendations[0]
 
 
@@ -50,7 +50,7 @@ def test_cli_prints_json(idx_dir):
          "--json"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout[out.stdout.index("{"):])
-    assert set(report) >= {"input_images_per_second", "step_images_per_second", "together_images_per_second",
+    assert set(report) >= {"input_examples_per_second", "step_examples_per_second", "together_examples_per_second",
                            "input_wait_fraction", "input_bound", "bound_by", "recommendations"}
     assert report["steps"] == 4 and report["global_batch"] == 256
 
@@ -77,7 +77,7 @@ def test_virtual_cpus_say_what_the_input_wait_cannot_tell(idx_dir):
     report = diagnose(Config(data_dir=idx_dir, batch_size=128, strategy="mirrored", virtual_cpus=2, dropout=0.0),
                       steps=4)
     assert "counts a replica waiting for a CPU thread as waiting for input" in report.format()
-    assert report.input_bound == (report.together_images_per_second < 0.8 * report.step_images_per_second)
+    assert report.input_bound == (report.together_examples_per_second < 0.8 * report.step_examples_per_second)
 
 
 def test_the_input_bound_warning_names_gpu_signs_only_on_gpus():

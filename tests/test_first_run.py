@@ -37,7 +37,7 @@ def test_first_run_downloads_and_prepares_fashion_mnist_with_tfds(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(proxy.served) == sorted(f"{stem}.gz" for stem in (
         "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"))
-    assert "data: 60000 training and 10000 test images from TFDS fashion_mnist" in result.stdout
+    assert "data: 60000 training images from TFDS fashion_mnist; evaluation: 10000 test images" in result.stdout
     assert os.path.isdir(tmp_path / "tensorflow_datasets" / "fashion_mnist")
     assert result.stdout.strip().splitlines()[-1] == (
         "outputs: checkpoints in runs/001 (latest runs/001/ckpt-1); TensorBoard: tensorboard --logdir "
@@ -135,7 +135,7 @@ def test_a_resumed_epoch_is_reported_whole(shared_idx_dir, tmp_path):
     assert (resumed.steps, resumed.resumed_at_step, straight.resumed_at_step) == (16, 15, 0)
     assert resumed.train_loss == pytest.approx(straight.train_loss, abs=1e-5)
     assert resumed.train_accuracy == pytest.approx(straight.train_accuracy, abs=1e-6)
-    assert resumed.seconds > 0 and resumed.images_per_second == pytest.approx(16 * 16 / resumed.seconds)
+    assert resumed.seconds > 0 and resumed.examples_per_second == pytest.approx(16 * 16 / resumed.seconds)
 
 
 def test_a_checkpoint_names_the_model_that_wrote_it(shared_idx_dir, tmp_path):
@@ -166,8 +166,8 @@ def test_an_array_in_an_option_is_quoted_by_type_and_shape():
 def test_the_plot_has_whole_epochs_labels_and_a_title():
     from gpupar.monitor.plot import draw_history
 
-    history = [{"epoch": e, "train_loss": 1.0 / (e + 1), "train_accuracy": 0.5, "test_accuracy": 0.6,
-                "images_per_second": 1000.0} for e in range(3)]
+    history = [{"epoch": e, "logs": {"loss": 1.0 / (e + 1), "accuracy": 0.5, "val_loss": 1.2, "val_accuracy": 0.6},
+                "examples_per_second": 1000.0} for e in range(3)]
     figure = draw_history(history, "runs/001/metrics.json: MirroredStrategy")
     figure.canvas.draw()
     assert figure._suptitle.get_text() == "runs/001/metrics.json: MirroredStrategy"

@@ -77,3 +77,28 @@ def test_xla_batch_norm_really_compiles_with_xla():
     graph = tf.function(lambda x: layer(x, training=True)).get_concrete_function(tf.TensorSpec((8, 4))).graph
     calls = [op for op in graph.get_operations() if "PartitionedCall" in op.type]
     assert [op.get_attr("_XlaMustCompile") for op in calls if "_XlaMustCompile" in op.node_def.attr] == [True]
+
+
+@pytest.mark.parametrize("rate", [-1, 2, 1.0, "half"])
+def test_replica_dropout_refuses_a_bad_rate_as_keras_dropout_does(rate):
+    with pytest.raises(ValueError, match="Invalid value received for argument `rate`"):
+        ReplicaDropout(rate)
+
+
+def test_replica_dropout_broadcasts_its_mask_over_noise_shape():
+    layer = ReplicaDropout(0.5, noise_shape=(None, 1), seed=1)
+    kept = layer(tf.ones([64, 32]), training=True).numpy() != 0
+    assert (kept.all(axis=1) | ~kept.any(axis=1)).all()  # each row kept or dropped whole
+    assert 0.2 < kept[:, 0].mean() < 0.8
+
+
+def test_gpupar_layers_round_trip_through_their_config_and_a_keras_file(tmp_path):
+    layer = ReplicaDropout(0.3, noise_shape=(None, 1), seed=4, name="drop")
+    again = ReplicaDropout.from_config(layer.get_config())
+    assert (again.rate, again.noise_shape, again.seed, again.name) == (0.3, (None, 1), 4, "drop")
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), XlaBatchNormalization(momentum=0.8), again])
+    x = np.random.default_rng(0).normal(size=(8, 5)).astype("float32")
+    model.save(tmp_path / "m.keras")  # registered under the package "gpupar": loads without custom_objects
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert [type(layer).__name__ for layer in loaded.layers][1:] == ["XlaBatchNormalization", "ReplicaDropout"]
+    assert np.allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))

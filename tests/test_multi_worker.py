@@ -38,7 +38,7 @@ def test_two_workers_reach_the_weights_of_two_replicas_in_one_process(shared_idx
     launch.assert_no_strays()
     out = launch.output
     assert "[worker:0] strategy: MultiWorkerMirroredStrategy on 2 workers x /cpu:0 (2 replicas)" in out
-    assert "[worker:0] Epoch:[0] train loss" in out and "[worker:1] Epoch:[0] train loss" in out
+    assert "[worker:0] Epoch:[0] loss:" in out and "[worker:1] Epoch:[0] loss:" in out
 
     workers = _state(str(tmp_path / "two_workers" / "ckpt-1"))
     single = _state(one.checkpoint)
@@ -79,7 +79,7 @@ def test_a_worker_killed_mid_run_is_restarted_and_the_run_completes(tmp_path):
         "--dropout=0", "--display_step=1000", "--checkpoint_every_steps=4", f"--model_dir={model_dir}",
         f"--metrics_json={tmp_path / 'metrics.json'}"])
     try:
-        launch.wait_for(r"\[worker:0\] Epoch:\[0\] train loss", timeout=120)
+        launch.wait_for(r"\[worker:0\] Epoch:\[0\] loss:", timeout=120)
         os.kill(launch.task_pids()["worker:1"][0], signal.SIGKILL)
         killed_at = _checkpoint_position(str(model_dir))  # the chief may still save once: read after the kill
         status = launch.finish(timeout=180)
@@ -112,7 +112,7 @@ def test_sigterm_to_one_worker_stops_all_after_the_same_step_with_a_checkpoint(t
         "--strategy=multi_worker_mirrored", f"--data_dir={data_dir}", "--epochs=20", "--batch_size=16",
         "--display_step=1000", "--steps_per_call=1", f"--model_dir={model_dir}"])  # a check after every step
     try:
-        launch.wait_for(r"\[worker:0\] Epoch:\[0\] train loss", timeout=120)
+        launch.wait_for(r"\[worker:0\] Epoch:\[0\] loss:", timeout=120)
         os.kill(launch.task_pids()["worker:1"][0], signal.SIGTERM)  # as a scheduler preempting one machine
         status = launch.finish(timeout=120)
     finally:

@@ -35,9 +35,10 @@ def test_plot_of_a_real_metrics_file(shared_idx_dir, tmp_path):
     "content, message",
     [
         ("{not json", "not JSON"),
-        (json.dumps({"test_accuracy": 0.9}), "no per-epoch 'history' list"),
+        (json.dumps({"logs": {"val_accuracy": 0.9}}), "no per-epoch 'history' list"),
         (json.dumps({"history": []}), "no per-epoch 'history' list"),
-        (json.dumps({"history": [{"epoch": 0, "train_loss": 1.0}]}), "history[0] lacks number(s) train_accuracy"),
+        (json.dumps({"history": [{"epoch": 0, "logs": {"accuracy": 1.0}}]}),
+         "history[0] lacks number(s) examples_per_second, logs.loss"),
     ],
 )
 def test_malformed_metrics_are_clear_errors(tmp_path, content, message):
@@ -55,14 +56,14 @@ def test_missing_metrics_file_from_the_command(tmp_path):
 
 
 def test_plot_history_writes_the_size_it_promises(tmp_path):
-    history = [{"epoch": e, "train_loss": 1.0 / (e + 1), "train_accuracy": 0.5, "test_accuracy": 0.6,
-                "images_per_second": 1000.0} for e in range(3)]
+    history = [{"epoch": e, "logs": {"loss": 1.0 / (e + 1), "val_loss": 1.1, "accuracy": 0.5, "val_accuracy": 0.6},
+                "examples_per_second": 1000.0} for e in range(3)]
     plot_history(history, str(tmp_path / "c.png"))
     assert _png_size(tmp_path / "c.png") == (WIDTH, HEIGHT)
 
 
 def test_unwritable_output_is_a_clear_error(tmp_path):
-    history = [{"epoch": 0, "train_loss": 1.0, "train_accuracy": 0.5, "test_accuracy": 0.6, "images_per_second": 1.0}]
+    history = [{"epoch": 0, "logs": {"loss": 1.0}, "examples_per_second": 1.0}]
     (tmp_path / "file").write_text("")
     with pytest.raises(GpuparError, match="cannot write the plot"):
         plot_history(history, str(tmp_path / "file" / "c.png"))

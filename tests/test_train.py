@@ -74,7 +74,7 @@ def test_progress_lines_and_epoch_summary(shared_idx_dir, capsys):
     result = _fit(shared_idx_dir, batch_size=16, steps_per_epoch=None, epochs=2, display_step=5)
     out = capsys.readouterr().out
     assert "Epoch:[0] [5 / 16] loss: " in out and "Epoch:[1] [16 / 16]" in out
-    assert "Epoch:[1] train loss: " in out and "Test accuracy: " in out
+    assert "Epoch:[1] loss: " in out and ", val_accuracy: " in out and "Final: loss: " in out
     assert [r.epoch for r in result.history] == [0, 1] and result.history[1].steps == 16
     assert result.test_accuracy == result.history[-1].test_accuracy
 
@@ -148,15 +148,16 @@ def test_tensorboard_and_metrics_json(shared_idx_dir, tmp_path):
         for event in tf.compat.v1.train.summary_iterator(os.path.join(log_dir, name)):
             for value in event.summary.value:
                 tags.setdefault(value.tag, []).append(event.step)
-    assert tags["train/loss_step"] == [2, 4, 6, 8]
-    for tag in ("train/loss", "train/accuracy", "test/accuracy", "train/images_per_second", "train/input_wait_fraction"):
+    assert tags["step/loss"] == [2, 4, 6, 8] and tags["step/accuracy"] == [2, 4, 6, 8]
+    for tag in ("epoch/loss", "epoch/accuracy", "epoch/val_loss", "epoch/val_accuracy", "epoch/examples_per_second",
+                "epoch/input_wait_fraction"):
         assert tags[tag] == [0, 1]
     saved = json.load(open(metrics))
-    assert saved["test_accuracy"] == result.test_accuracy and len(saved["history"]) == 2
-    assert set(saved["history"][0]) == {"epoch", "train_loss", "train_accuracy", "test_accuracy", "seconds",
-                                        "images_per_second", "steps", "skipped_steps", "input_wait_fraction",
-                                        "gpu_util_percent", "gpu_memory_used_mb", "resumed_at_step",
-                                        "updates_by_worker"}
+    assert saved["logs"]["val_accuracy"] == result.test_accuracy and len(saved["history"]) == 2
+    assert set(saved["history"][0]) == {"epoch", "logs", "seconds", "examples_per_second", "steps", "skipped_steps",
+                                        "input_wait_fraction", "gpu_util_percent", "gpu_memory_used_mb",
+                                        "resumed_at_step", "updates_by_worker"}
+    assert set(saved["history"][0]["logs"]) == {"loss", "accuracy", "val_loss", "val_accuracy"}
 
 
 def test_fit_on_tfds_mock_data():
@@ -189,6 +190,7 @@ def test_jit_compile_puts_each_replica_step_in_one_xla_computation():
     import tensorflow as tf
 
     from gpupar.models.convnet import build_convnet
+    from gpupar.training.objective import Objective
     from gpupar.training.steps import make_train_function
 
     strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
@@ -198,8 +200,11 @@ def test_jit_compile_puts_each_replica_step_in_one_xla_computation():
     images, labels = tf.zeros([4, 28, 28, 1]), tf.zeros([4], tf.int32)
     iterator = iter(tf.data.Dataset.from_tensors((images, labels)).repeat())
 
+    objective = Objective(keras.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"], labels.numpy(),
+                          np.zeros([4, 10], np.float32))
+
     def compiled_calls(jit):
-        train = make_train_function(strategy, model, adam, 4, jit_compile=jit)
+        train = make_train_function(strategy, model, adam, objective, jit_compile=jit)
         library = train.get_concrete_function(iterator, tf.constant(1), tf.constant(False)).graph.as_graph_def().library
         return [node.attr["f"].func.name for f in library.function for node in f.node_def
                 if node.attr["_XlaMustCompile"].b and "update" in node.attr["f"].func.name]
@@ -229,7 +234,10 @@ def test_mixed_float16_scales_the_loss(shared_idx_dir):
 
     from gpupar.training.engine import build_engine
 
-    engine = build_engine(gpupar.Config(precision="mixed_float16", batch_size=16, data_dir=shared_idx_dir))
+    from gpupar.training.presets import mnist_task
+
+    config = gpupar.Config(precision="mixed_float16", batch_size=16, data_dir=shared_idx_dir)
+    engine = build_engine(config, mnist_task(config))
     scaled = engine.update_optimizer
     assert isinstance(scaled, keras.optimizers.LossScaleOptimizer) and scaled.dynamic_scale > 1
     assert scaled.inner_optimizer is engine.optimizer
@@ -240,4 +248,4 @@ def test_stop_at_accuracy_ends_after_the_first_epoch_that_reaches_it(shared_idx_
                   stop_at_accuracy=0.3)
     accuracies = [r.test_accuracy for r in result.history]
     assert accuracies[-1] >= 0.3 and all(a < 0.3 for a in accuracies[:-1]) and len(accuracies) < 8
-    assert "reached stop_at_accuracy=0.3; stopping" in capsys.readouterr().out
+    assert f"val_accuracy {accuracies[-1]:.4f} reached 0.3; stopping" in capsys.readouterr().out

@@ -33,21 +33,70 @@ def replica_consistent_state():
         yield
 
 
-class ReplicaDropout(keras.layers.Layer):
-    """Dropout that draws a different mask on every replica.
+@contextlib.contextmanager
+def replica_seeds():
+    """Makes every Keras random layer draw its own numbers on each replica, while the context is open.
 
-    Keras' Dropout reads one seed-generator state that is the same on every replica, so under
-    MirroredStrategy all replicas drop the same units of their examples. Here the mask comes from
-    (seed, call count, replica id) through stateless random ops; the call count is a variable, so
-    checkpoints carry it and a resumed run draws the masks an uninterrupted one would.
+    Keras' random layers (Dropout, GaussianNoise, the random image layers) take their seeds from a
+    SeedGenerator, whose state is one variable with the same value on every replica: under
+    MirroredStrategy every replica drops the same units of its examples. Inside this context a
+    seed drawn in a replica context of several replicas has the replica's index added to it, so
+    the replicas draw apart; the generator's state still advances as Keras' does, so a resumed run
+    draws what an uninterrupted one would. gpupar opens it around the model in its train step.
+    """
+    from keras.src.random.seed_generator import SeedGenerator
+
+    keras_next = SeedGenerator.next
+
+    def next_on_this_replica(generator, ordered=True):
+        seed = keras_next(generator, ordered=ordered)
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return seed
+        replica = tf.cast(context.replica_id_in_sync_group, seed.dtype)
+        return seed + tf.stack([replica * tf.cast(7919, seed.dtype), tf.zeros_like(replica)])
+
+    SeedGenerator.next = next_on_this_replica
+    try:
+        yield
+    finally:
+        SeedGenerator.next = keras_next
+
+
+@keras.saving.register_keras_serializable(package="gpupar")
+class ReplicaDropout(keras.layers.Layer):
+    """keras.layers.Dropout, but with a different mask on every replica and masks that a checkpoint carries.
+
+    The mask comes from (seed, call count, replica id) through stateless random ops; the call
+    count is a variable, so checkpoints carry it and a resumed run draws the masks an
+    uninterrupted one would. The same arguments as Keras' Dropout.
+
+    Args:
+      rate: Fraction of the units to drop, in [0, 1).
+      noise_shape: The shape of the mask (1 where it is broadcast), as Keras' Dropout's; None for the inputs'.
+      seed: Seed of the masks.
     """
 
-    def __init__(self, rate: float, seed: int = 0, **kwargs):
+    def __init__(self, rate, noise_shape=None, seed=0, **kwargs):
         super().__init__(**kwargs)
-        self.rate, self.seed = rate, seed
+        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate < 1:
+            raise ValueError(f"Invalid value received for argument `rate`. Expected a float value between 0 and 1 "
+                             f"(1 excluded). Received: rate={rate}")
+        if noise_shape is not None and not isinstance(noise_shape, (list, tuple)):
+            raise ValueError(f"Invalid value received for argument `noise_shape`. Expected a tuple or list. "
+                             f"Received: noise_shape={noise_shape}")
+        self.rate, self.seed = float(rate), int(seed or 0)
+        self.noise_shape = None if noise_shape is None else tuple(noise_shape)
+        self.supports_masking = True
 
     def build(self, input_shape):
         self.calls = self.add_weight(shape=(), dtype="int64", initializer="zeros", trainable=False, name="calls")
+
+    def _mask_shape(self, inputs):
+        shape = tf.shape(inputs)
+        if self.noise_shape is None:
+            return shape
+        return tf.stack([shape[i] if d is None else d for i, d in enumerate(self.noise_shape)])
 
     def call(self, inputs, training=False):
         if not training or self.rate == 0:
@@ -57,11 +106,14 @@ class ReplicaDropout(keras.layers.Layer):
         count = tf.convert_to_tensor(self.calls)
         self.calls.assign_add(1)
         seed = tf.stack([tf.constant(self.seed, tf.int64) * 1_000_003 + count, replica])
-        keep = tf.random.stateless_uniform(tf.shape(inputs), seed=seed) >= self.rate
+        keep = tf.random.stateless_uniform(self._mask_shape(inputs), seed=seed) >= self.rate
         return tf.where(keep, inputs / (1.0 - self.rate), tf.zeros_like(inputs))
 
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
     def get_config(self):
-        return {**super().get_config(), "rate": self.rate, "seed": self.seed}
+        return {**super().get_config(), "rate": self.rate, "noise_shape": self.noise_shape, "seed": self.seed}
 
 
 @tf.function(jit_compile=True)
@@ -80,6 +132,7 @@ def _normalise_batch(inputs, gamma, beta, epsilon):
     return tf.cast(outputs, inputs.dtype), mean, variance
 
 
+@keras.saving.register_keras_serializable(package="gpupar")
 class XlaBatchNormalization(keras.layers.BatchNormalization):
     """keras.layers.BatchNormalization whose training step runs as one XLA-compiled kernel.
 

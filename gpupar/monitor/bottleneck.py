@@ -44,7 +44,7 @@ class InputWait:
 def likely_causes(config, input_rate=None, step_rate=None, cpus=None) -> list:
     """The likely reasons `config` starves the step, each with its fix, most likely first.
 
-    input_rate and step_rate (images/s of the pipeline alone and of the step alone, from
+    input_rate and step_rate (examples/s of the pipeline alone and of the step alone, from
     `gpupar diagnose`) tell a slow pipeline from one that is fast alone but starved of CPU;
     cpus is the number of cores the process may use (default: this process's affinity).
     """
@@ -62,7 +62,7 @@ def likely_causes(config, input_rate=None, step_rate=None, cpus=None) -> list:
         ratio = input_rate / step_rate
         if ratio < 1:
             causes.append(f"the input pipeline alone is slower than the step ({input_rate:,.0f} against "
-                          f"{step_rate:,.0f} images/s): move per-example work into the step, or raise "
+                          f"{step_rate:,.0f} examples/s): move per-example work into the step, or raise "
                           "--num_parallel_calls")
         elif ratio < 2:
             causes.append(f"the input pipeline alone is only {ratio:.1f}x as fast as the step: sharing the CPU "

@@ -46,15 +46,15 @@ def verdict(input_rate: float, step_rate: float, together_rate: float) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """The three rates (training images/s), the input wait of the combined run, and the verdict.
+    """The three rates (training examples/s), the input wait of the combined run, and the verdict.
 
     Attributes:
       strategy: The strategy's one-line description.
       global_batch: Examples per step over all replicas.
       steps: Timed steps in each measurement.
-      input_images_per_second: The input pipeline alone.
-      step_images_per_second: The train step alone, on one batch kept on the devices.
-      together_images_per_second: Pipeline and step together, as training runs them.
+      input_examples_per_second: The input pipeline alone.
+      step_examples_per_second: The train step alone, on one batch kept on the devices.
+      together_examples_per_second: Pipeline and step together, as training runs them.
       input_wait_fraction: Share of step time the combined run waited for input.
       input_bound: Whether training is bound by its input pipeline (from the three rates: see verdict).
       bound_by: "train step", "input pipeline", or "input pipeline sharing the CPU with the step".
@@ -65,9 +65,9 @@ class Report:
     strategy: str
     global_batch: int
     steps: int
-    input_images_per_second: float
-    step_images_per_second: float
-    together_images_per_second: float
+    input_examples_per_second: float
+    step_examples_per_second: float
+    together_examples_per_second: float
     input_wait_fraction: float
     input_bound: bool
     bound_by: str
@@ -81,14 +81,14 @@ class Report:
     def format(self) -> str:
         """The report as the text `gpupar diagnose` prints."""
         rows = [
-            ("input pipeline alone", self.input_images_per_second),
-            ("train step alone (one batch on the devices)", self.step_images_per_second),
-            ("together, as training runs", self.together_images_per_second),
+            ("input pipeline alone", self.input_examples_per_second),
+            ("train step alone (one batch on the devices)", self.step_examples_per_second),
+            ("together, as training runs", self.together_examples_per_second),
         ]
         lines = [f"{self.strategy}; global batch {self.global_batch}, {self.steps} timed steps each"]
-        lines += [f"  {name:<45} {rate:>12,.0f} images/s" for name, rate in rows]
+        lines += [f"  {name:<45} {rate:>12,.0f} examples/s" for name, rate in rows]
         lines.append(f"input wait {self.input_wait_fraction:.0%} of step time; together "
-                     f"{self.together_images_per_second / self.step_images_per_second:.0%} of the step alone: "
+                     f"{self.together_examples_per_second / self.step_examples_per_second:.0%} of the step alone: "
                      f"{'input-bound' if self.input_bound else 'not input-bound'}; training is bound by the {self.bound_by}")
         lines += [f"  recommended: {text}" for text in self.recommendations]
         lines += [f"  note: {text}" for text in self.notes]
@@ -126,11 +126,12 @@ def _seconds(run, steps):
     return time.perf_counter() - started
 
 
-def diagnose(config: Config, steps: int = 30) -> Report:
+def diagnose(config: Config, task, steps: int = 30) -> Report:
     """Measures the step alone, the pipeline alone and both together under `config`.
 
     Args:
       config: The training options to diagnose (a synchronous strategy).
+      task: What training would train (gpupar.training.task.Task).
       steps: Timed steps in each measurement.
 
     Returns:
@@ -145,7 +146,7 @@ def diagnose(config: Config, steps: int = 30) -> Report:
     if run_mode(config) != SYNCHRONOUS:
         raise GpuparError(f"gpupar diagnose times data-parallel steps; strategy={config.strategy} has steps of its "
                           "own (use auto, one_device, mirrored or central_storage)")
-    engine = build_engine(config)
+    engine = build_engine(config, task)
 
     # The step alone first, while no pipeline is running; the batch's own pipeline ends after it.
     one_batch = _OneBatch(next(engine.make_input(0, limit=1)))
@@ -166,7 +167,7 @@ def diagnose(config: Config, steps: int = 30) -> Report:
     virtual_cpus = not engine.on_gpus and engine.replicas > 1
     return Report(
         strategy=engine.description.split(";")[0], global_batch=engine.global_batch, steps=steps,
-        input_images_per_second=rates[0], step_images_per_second=rates[1], together_images_per_second=rates[2],
+        input_examples_per_second=rates[0], step_examples_per_second=rates[1], together_examples_per_second=rates[2],
         input_wait_fraction=wait.fraction, input_bound=input_bound, bound_by=bound_by,
         recommendations=tuple(bottleneck.likely_causes(config, rates[0], rates[1]) if input_bound
                               else ["training is bound by the step: the input pipeline needs no change"]),

@@ -1,15 +1,15 @@
-"""`gpupar plot metrics.json -o curves.png`: training curves from a --metrics_json file, headless."""
+"""`gpupar plot metrics.json -o curves.png`: curves of every log from a metrics file, headless."""
 
 import json
 
 from gpupar.errors import GpuparError
 
-FIELDS = ("epoch", "train_loss", "train_accuracy", "test_accuracy", "images_per_second")
+FIELDS = ("epoch", "examples_per_second")
 WIDTH, HEIGHT, DPI = 1200, 400, 100
 
 
 def load_history(path: str):
-    """The per-epoch history of a metrics file, checked for the fields the plot needs, and the run's title."""
+    """The per-epoch history of a metrics file, checked for what the plot needs, and the run's title."""
     try:
         with open(path) as f:
             metrics = json.load(f)
@@ -22,14 +22,26 @@ def load_history(path: str):
         raise GpuparError(f"{path}: no per-epoch 'history' list; write it with gpupar --metrics_json=PATH")
     for i, record in enumerate(history):
         missing = [f for f in FIELDS if not isinstance(record, dict) or not isinstance(record.get(f), (int, float))]
+        logs = record.get("logs") if isinstance(record, dict) else None
+        if not isinstance(logs, dict) or not isinstance(logs.get("loss"), (int, float)):
+            missing.append("logs.loss")
         if missing:
             raise GpuparError(f"{path}: history[{i}] lacks number(s) {', '.join(missing)}")
     strategy = str(metrics.get("strategy", "")).split(";")[0].replace("strategy: ", "")
     return history, f"{path}: {strategy}" if strategy else path
 
 
+def _panels(history):
+    """[(title, [log names])]: the losses, then each metric with its val_ twin, in the logs' order."""
+    names = list(dict.fromkeys(name for record in history for name in record["logs"]))
+    trained = [name for name in names if not name.startswith("val_")]
+    panels = [(name, [n for n in (name, f"val_{name}") if n in names]) for name in trained]
+    panels += [(name, [name]) for name in names if name.startswith("val_") and name[4:] not in trained]
+    return panels
+
+
 def draw_history(history, title: str = ""):
-    """A matplotlib Figure of WIDTH x HEIGHT pixels: loss, train/test accuracy and images/s per epoch.
+    """A matplotlib Figure of WIDTH x HEIGHT pixels: each log per epoch (training and evaluation), and the speed.
 
     An epoch that a resumed run finished is drawn as a whole epoch: its record carries the sums of
     both runs (EpochRecord.resumed_at_step).
@@ -43,18 +55,20 @@ def draw_history(history, title: str = ""):
     from matplotlib.ticker import MaxNLocator
 
     epochs = [r["epoch"] for r in history]
-    figure, (loss, accuracy, speed) = plt.subplots(1, 3, figsize=(WIDTH / DPI, HEIGHT / DPI), dpi=DPI)
-    loss.plot(epochs, [r["train_loss"] for r in history], marker="o")
-    loss.set(title="train loss", xlabel="epoch", ylabel="loss")
-    accuracy.plot(epochs, [r["train_accuracy"] for r in history], marker="o", label="train")
-    accuracy.plot(epochs, [r["test_accuracy"] for r in history], marker="o", label="test")
-    accuracy.set(title="accuracy", xlabel="epoch", ylabel="accuracy")
-    accuracy.legend()
-    speed.plot(epochs, [r["images_per_second"] for r in history], marker="o")
-    speed.set(title="training speed", xlabel="epoch", ylabel="images/s")
-    for axes in (loss, accuracy, speed):
-        axes.grid(alpha=0.3)
-        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole epochs only
+    panels = _panels(history)
+    figure, axes = plt.subplots(1, len(panels) + 1, figsize=(WIDTH / DPI, HEIGHT / DPI), dpi=DPI, squeeze=False)
+    for (name, names), panel in zip(panels, axes[0]):
+        for log_name in names:
+            values = [r["logs"].get(log_name, float("nan")) for r in history]
+            panel.plot(epochs, values, marker="o", label="evaluation" if log_name.startswith("val_") else "training")
+        panel.set(title=name, xlabel="epoch", ylabel=name)
+        panel.legend()
+    speed = axes[0][-1]
+    speed.plot(epochs, [r["examples_per_second"] for r in history], marker="o")
+    speed.set(title="training speed", xlabel="epoch", ylabel="examples/s")
+    for panel in axes[0]:
+        panel.grid(alpha=0.3)
+        panel.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole epochs only
     if title:
         figure.suptitle(title)
     figure.tight_layout()

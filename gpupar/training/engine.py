@@ -13,18 +13,22 @@ import logging
 from typing import Any, Callable, Optional, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from gpupar.config import PARAMETER_SERVERS, PIPELINE, SYNCHRONOUS, run_mode
-from gpupar.data import mnist, pipeline
-from gpupar.models.presets import build_model, model_signature, num_stages
+from gpupar.data.sources import ARRAYS, DATASET_FN
+from gpupar.errors import GpuparError
+from gpupar.models.layers import replica_consistent_state
 from gpupar.runtime.devices import configure_devices
 from gpupar.runtime.stages import plan_stages
 from gpupar.runtime.strategy import build_strategy, check_jit_compile, detected_plan
 from gpupar.runtime.teardown import keep_for_process
 from gpupar.training import parameter_server
 from gpupar.training import pipeline as model_parallel
-from gpupar.training.steps import Results, make_evaluation, make_finite_check, make_test_function, make_train_function
+from gpupar.training.objective import Objective
+from gpupar.training.steps import (Results, make_evaluate_function, make_evaluation, make_finite_check,
+                                   make_train_function, unpack)
 
 log = logging.getLogger("gpupar")
 
@@ -41,6 +45,7 @@ class Engine:
       optimizer: The optimizer whose state checkpoints hold (inside any loss-scale wrapper).
       update_optimizer: What applies the updates: optimizer, or a loss-scale optimizer around it
         (precision=mixed_float16, nan_policy=skip).
+      objective: The loss and metrics (gpupar.training.objective.Objective).
       global_batch: Examples per step (parameter servers: one worker's step).
       steps_per_epoch: Steps in one epoch (capped by config.steps_per_epoch).
       steps_per_call: Steps the loop asks for in one call, unless a boundary cuts it.
@@ -49,13 +54,15 @@ class Engine:
         synchronous and pipeline engines run num_steps; parameter servers schedule them and report
         the calls that finished meanwhile.
       finish: finish() -> Results of the steps still in flight, once applied (parameter servers).
-      evaluate: evaluate() -> test accuracy of the current weights over the whole test set.
+      evaluate: evaluate() -> {"val_loss": ..., "val_<metric>": ...} of the current weights over the whole
+        evaluation set ({} without one).
       weights_finite: weights_finite() -> whether every float weight is finite.
       signature: The model and its shape-defining options, as checkpoints record them.
       learning_rate: The learning rate to put back after restoring a checkpoint, or None.
       visible_gpus: The physical GPUs in use (for the utilisation sampler).
       on_gpus: Whether the compute devices are GPUs.
       updates: The optimizer's update counter (it stands still on a skipped step).
+      input_pipelines: Input pipelines of the strategy: one per worker.
     """
 
     description: str
@@ -64,12 +71,13 @@ class Engine:
     model: Any
     optimizer: Any
     update_optimizer: Any
+    objective: Any
     global_batch: int
     steps_per_epoch: int
     steps_per_call: int
     make_input: Callable
     run_steps: Callable[..., Results]
-    evaluate: Callable[[], float]
+    evaluate: Callable[[], dict]
     weights_finite: Callable[[], bool]
     signature: dict
     finish: Callable[[], Results] = Results
@@ -77,6 +85,7 @@ class Engine:
     visible_gpus: Sequence[int] = ()
     on_gpus: bool = False
     updates: Any = None
+    input_pipelines: int = 1
     input: Any = None
 
     def start(self, first_step: int):
@@ -112,44 +121,58 @@ class _Placement:
     scope: Callable[[], Any]
     devices: Sequence[str]
     stage_devices: Optional[Sequence[str]] = None
+    pipelines: int = 1  # input pipelines: one per worker
 
 
-def _place_synchronous(config, cluster):
+def _place_synchronous(config, cluster, task):
     plan = detected_plan(config.strategy, config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1,
                          cluster=cluster)
     check_jit_compile(config.jit_compile, plan)
     strategy = build_strategy(plan)  # a multi-worker strategy must come before any other TensorFlow work
-    return _Placement(plan.describe(), strategy, plan.num_replicas, plan.num_replicas, strategy.scope, plan.devices)
+    workers = plan.cluster.num_workers if plan.kind == "multi_worker_mirrored" else 1
+    return _Placement(plan.describe(), strategy, plan.num_replicas, plan.num_replicas, strategy.scope, plan.devices,
+                      pipelines=workers)
 
 
-def _place_pipeline(config, cluster):
+def _place_pipeline(config, cluster, task):
     devices = detected_plan("auto", config.devices, max_cpus=config.virtual_cpus or 1).devices
-    plan = plan_stages(devices, num_stages(config))
+    plan = plan_stages(devices, task.num_stages)
     description = (f"{plan.describe()}; {config.microbatches} micro-batch(es) of "
                    f"{config.batch_size // config.microbatches} per replica")
     return _Placement(description, plan, plan.num_replicas, plan.num_replicas, contextlib.nullcontext, devices,
                       plan.variable_devices)
 
 
-def _place_parameter_servers(config, cluster):
+def _place_parameter_servers(config, cluster, task):
     plan = detected_plan(config.strategy, config.devices, config.cross_device_ops, cluster=cluster)
     strategy = build_strategy(plan)
     # Each step trains one worker's batch, on its own.
     return _Placement(plan.describe(), strategy, plan.num_replicas, 1, strategy.scope, plan.devices)
 
 
-def build_engine(config, cluster=None, optimizer=None) -> Engine:
-    """Sets up a run as config says: the one set-up of every mode, then the mode's own parts.
+def build_engine(config, task, cluster=None) -> Engine:
+    """Sets up a run of `task` as config says: the one set-up of every mode, then the mode's own parts.
 
-    `cluster` (gpupar.runtime.cluster) makes it a multi-worker or parameter-server run.
-    `optimizer` replaces the default Adam(config.learning_rate); it is built under the strategy.
+    Args:
+      config: The run's options.
+      task: What to train (gpupar.training.task.Task).
+      cluster: The cluster (gpupar.runtime.cluster) of a multi-worker or parameter-server run.
+
+    Returns:
+      The Engine, its input not started yet (Engine.start).
+
+    Raises:
+      GpuparError: bad devices, data, model, loss or metrics, found before any training step.
     """
     mode = run_mode(config, cluster)
+    if mode != SYNCHRONOUS and not task.preset:
+        raise GpuparError(f"strategy={config.strategy} trains gpupar's own models so far; for your model use a "
+                          "synchronous strategy (auto, one_device, mirrored, central_storage, multi_worker_mirrored)")
     devices = configure_devices(config)
     if devices.intra_op_threads or devices.inter_op_threads:
         log.info("threads: %s per op, %s ops at once",
                  *(n or "TensorFlow's default" for n in (devices.intra_op_threads, devices.inter_op_threads)))
-    placement = _PLACEMENTS[mode](config, cluster)
+    placement = _PLACEMENTS[mode](config, cluster, task)
     log.info(placement.description)
     on_gpus = any(d.startswith("/gpu") for d in placement.devices)
     if config.precision == "mixed_float16" and not on_gpus:
@@ -157,27 +180,35 @@ def build_engine(config, cluster=None, optimizer=None) -> Engine:
                     "mixed_bfloat16 is the CPU's mixed precision")
     keras.utils.set_random_seed(config.seed)
 
-    splits = mnist.load_splits(config.dataset, config.data_dir)
-    log.info("data: %d training and %d test images from %s", len(splits.train_labels), len(splits.test_labels),
-             config.data_dir or f"TFDS {config.dataset}")
+    train, evaluation = task.sources()
+    log.info("data: %s%s", train.description, f"; evaluation: {evaluation.description}" if evaluation else "")
+    if train.resume_note and config.resume is not False:
+        log.info("resume: %s", train.resume_note)
     global_batch = config.batch_size * placement.batch_replicas
-    steps_per_epoch = pipeline.batches_per_epoch(len(splits.train_images), global_batch)
+    steps_per_epoch = train.steps_per_epoch(global_batch, placement.replicas // placement.pipelines)
     if config.steps_per_epoch is not None:
-        steps_per_epoch = min(steps_per_epoch, config.steps_per_epoch)
+        steps_per_epoch = min(steps_per_epoch or config.steps_per_epoch, config.steps_per_epoch)
+    if steps_per_epoch is None:
+        raise GpuparError(f"the training data ({train.description}) have no known length, so an epoch has none; "
+                          "pass steps_per_epoch")
 
-    with placement.scope():
-        model = build_model(config, stage_devices=placement.stage_devices)
-        inner = optimizer or keras.optimizers.Adam(config.learning_rate)
-        if config.precision == "mixed_float16":  # scales the loss so float16 gradients neither vanish nor overflow
-            applied = keras.optimizers.LossScaleOptimizer(inner)
-        elif config.nan_policy == "skip":
-            # Keras' loss-scale optimizer is what skips non-finite steps. Its scale starts at 1, halves
-            # on a skipped step (the engine puts it back to 1 after every call) and never grows; powers
-            # of two scale float32 exactly.
-            applied = keras.optimizers.LossScaleOptimizer(inner, initial_scale=1.0, dynamic_growth_steps=2**31 - 1)
-        else:
-            applied = inner
-        applied.build(model.trainable_variables)  # each slot variable is placed beside its variable
+    dtype = None if config.precision == "float32" else config.precision
+    previous_policy = keras.config.dtype_policy()
+    if dtype:
+        keras.config.set_dtype_policy(dtype)  # the user's layers compute in 16 bits, their weights stay float32
+    try:
+        with placement.scope():
+            with replica_consistent_state():  # the model's state only: the optimizer's keeps Keras' aggregation
+                model = task.build_model(stage_devices=placement.stage_devices)
+                if not model.built:  # a subclassed model makes its variables on its first call
+                    model(unpack(tuple(train.sample()))[0], training=False)
+            inner = _optimizer(task.optimizer, config)
+            applied = _loss_scaled(inner, config)
+            applied.build(model.trainable_variables)  # each slot variable is placed beside its variable
+    finally:
+        keras.config.set_dtype_policy(previous_policy)
+    objective = _checked_objective(task, model, train)
+    model.optimizer = applied  # where Keras' callbacks (ReduceLROnPlateau, LearningRateScheduler) look for it
     if config.augment:
         log.info("augmentation: random shifts, rotations and zooms, on the %s", config.augment_on)
     if config.precision != "float32" or config.jit_compile:
@@ -185,76 +216,142 @@ def build_engine(config, cluster=None, optimizer=None) -> Engine:
 
     engine = Engine(
         description=placement.description, strategy=placement.strategy, replicas=placement.replicas, model=model,
-        optimizer=inner, update_optimizer=applied, global_batch=global_batch, steps_per_epoch=steps_per_epoch,
-        steps_per_call=config.steps_in_a_call(steps_per_epoch), make_input=None, run_steps=None, evaluate=None,
-        weights_finite=make_finite_check(model), signature=model_signature(config),
-        learning_rate=None if optimizer else config.learning_rate, visible_gpus=devices.visible_gpus,
-        on_gpus=on_gpus, updates=inner.iterations,
+        optimizer=inner, update_optimizer=applied, objective=objective, global_batch=global_batch,
+        steps_per_epoch=steps_per_epoch, steps_per_call=config.steps_in_a_call(steps_per_epoch), make_input=None,
+        run_steps=None, evaluate=None, weights_finite=make_finite_check(model),
+        signature=task.signature or _signature(model),
+        learning_rate=None if task.optimizer is not None else config.learning_rate, visible_gpus=devices.visible_gpus,
+        on_gpus=on_gpus, updates=inner.iterations, input_pipelines=placement.pipelines,
     )
-    _BUILDERS[mode](engine, config, splits)
+    _BUILDERS[mode](engine, config, task, train, evaluation)
     return engine
+
+
+def _optimizer(given, config):
+    """The optimizer to train with, made under the strategy's scope (Keras' optimizers must be)."""
+    if given is None:
+        return keras.optimizers.Adam(config.learning_rate)
+    if isinstance(given, str):
+        try:
+            return keras.optimizers.get(given)
+        except ValueError:
+            raise GpuparError(f"optimizer={given!r} is not a Keras optimizer name; use one such as 'adam' or 'sgd', or "
+                              "pass a keras.optimizers.Optimizer") from None
+    if given.built:
+        raise GpuparError("the optimizer has been used already (it has variables); pass a new one: gpupar makes it "
+                          "again under the strategy's scope from its config")
+    return given.__class__.from_config(given.get_config())
+
+
+def _loss_scaled(inner, config):
+    if config.precision == "mixed_float16":  # scales the loss so float16 gradients neither vanish nor overflow
+        return keras.optimizers.LossScaleOptimizer(inner)
+    if config.nan_policy == "skip":
+        # Keras' loss-scale optimizer is what skips non-finite steps. Its scale starts at 1, halves
+        # on a skipped step (the engine puts it back to 1 after every call) and never grows; powers
+        # of two scale float32 exactly.
+        return keras.optimizers.LossScaleOptimizer(inner, initial_scale=1.0, dynamic_growth_steps=2**31 - 1)
+    return inner
+
+
+def _signature(model) -> dict:
+    """What a checkpoint records of a model it did not get a preset's options for (Keras numbers its names)."""
+    return {"model": type(model).__name__, "variables": len(model.weights), "parameters": int(model.count_params())}
+
+
+def _checked_objective(task, model, train):
+    """The Objective for the model's outputs, after the checks that need the model and one batch.
+
+    Raises:
+      GpuparError: labels outside the model's output range, a loss of one scalar per batch, a
+        metric whose state does not add up, names that do not fit the outputs.
+    """
+    x, y, sample_weight = unpack(tuple(train.sample()))
+    y_pred = tf.nest.map_structure(lambda t: np.asarray(t, np.float32), model(x, training=False))
+    objective = Objective(task.loss, task.metrics, y, y_pred)
+    all_labels = train.data[1] if train.kind == ARRAYS else y  # every label where they are in memory
+    for term in objective.losses:
+        if "sparse_categorical" in f"{term.name} {getattr(term.fn, '__name__', '')}":
+            labels = np.asarray(all_labels if term.key is None else all_labels[term.key])
+            classes = (y_pred if term.key is None else y_pred[term.key]).shape[-1]
+            if labels.size and (labels.min() < 0 or labels.max() >= classes):
+                raise GpuparError(f"the labels reach {labels.min()}..{labels.max()}, but the model has {classes} "
+                                  f"outputs (classes 0..{classes - 1}); fix the labels or the model's last layer")
+    objective.terms(y, y_pred, sample_weight)  # refuses a loss of one scalar per batch
+    objective.check_additive(y, y_pred, sample_weight)
+    objective.reset()
+    return objective
 
 
 def _timed_calls(train, loss_scale=None):
     """run_steps for a train function of steps_in_one_call(timed=True)."""
 
     def run_steps(iterator, num_steps, first_call):
-        loss, correct, waited, busy = train(iterator, tf.constant(num_steps), tf.constant(first_call))
+        (loss, states), waited, busy = train(iterator, tf.constant(num_steps), tf.constant(first_call))
         if loss_scale is not None:
             loss_scale.assign(1.0)  # nan_policy=skip: each skipped step halved it
-        return Results(num_steps, float(loss), float(correct), float(waited), float(busy))
+        return Results(num_steps, float(loss), [s.numpy() for s in states], float(waited), float(busy))
 
     return run_steps
 
 
-def _train_dataset(config, splits, global_batch, first_step, limit=None):
-    dataset = pipeline.train_dataset(
-        splits.train_images, splits.train_labels, global_batch, config.seed, start_step=first_step,
-        augment_on_host=config.augment and config.augment_on == "host",
-        num_parallel_calls=config.num_parallel_calls, deterministic=config.deterministic, threads=config.data_threads,
-    )
-    return dataset if limit is None else dataset.take(limit)
+def _no_evaluation():
+    return {}
 
 
-def _test_dataset(splits, global_batch):
-    return pipeline.test_dataset(splits.test_images, splits.test_labels, global_batch)
-
-
-def _synchronous(engine: Engine, config, splits):
+def _synchronous(engine: Engine, config, task, train, evaluation):
     """Every replica steps together; the gradients are all-reduced in the optimizer's update."""
     strategy, optimizer, skips = engine.strategy, engine.update_optimizer, config.nan_policy == "skip"
-    augment_seed = config.seed if config.augment and config.augment_on == "device" else None
-    train = make_train_function(strategy, engine.model, optimizer, engine.global_batch, skips, augment_seed,
-                                config.jit_compile)
-    engine.run_steps = _timed_calls(train, optimizer.dynamic_scale if skips else None)
+    train_function = make_train_function(strategy, engine.model, optimizer, engine.objective, skips,
+                                         task.device_transform, config.jit_compile)
+    engine.run_steps = _timed_calls(train_function, optimizer.dynamic_scale if skips else None)
+    per_pipeline = engine.replicas // engine.input_pipelines
 
     def make_input(first_step, limit=None):
-        dataset = _train_dataset(config, splits, engine.global_batch, first_step, limit)
+        if train.kind == DATASET_FN:  # per-replica batches: a pipeline gives per_pipeline of them a step
+            def replica_batches(context):
+                dataset = train.data(context).repeat().skip(first_step * per_pipeline)
+                return dataset if limit is None else dataset.take(limit * per_pipeline)
+
+            return keep_for_process(iter(strategy.distribute_datasets_from_function(replica_batches)))
+        dataset = train.training(engine.global_batch, config.seed, first_step, limit, config)
         return keep_for_process(iter(strategy.experimental_distribute_dataset(dataset)))
 
     engine.make_input = make_input
-    test_iterator = keep_for_process(iter(strategy.experimental_distribute_dataset(
-        _test_dataset(splits, engine.global_batch))))
-    engine.evaluate = make_evaluation(make_test_function(strategy, engine.model), test_iterator,
-                                      pipeline.test_steps(len(splits.test_images), engine.global_batch))
+    if evaluation is None:
+        engine.evaluate = _no_evaluation
+        return
+    if evaluation.kind == DATASET_FN:
+        if evaluation.batches % per_pipeline:
+            raise GpuparError(f"eval_data's dataset_fn gives {evaluation.batches} batches per input pipeline, not a "
+                              f"multiple of its {per_pipeline} replicas, so a last step would take batches of the "
+                              "next pass; drop or pad the last batches, or give the evaluation set as arrays or a "
+                              "dataset (gpupar splits a last partial batch itself)")
+        dataset = strategy.distribute_datasets_from_function(lambda context: evaluation.data(context).repeat())
+        steps = evaluation.batches // per_pipeline
+    else:
+        dataset, steps = evaluation.evaluation(engine.global_batch)
+        dataset = strategy.experimental_distribute_dataset(dataset)
+    engine.evaluate = make_evaluation(make_evaluate_function(strategy, engine.model, engine.objective),
+                                      keep_for_process(iter(dataset)), steps, engine.objective, engine.model)
 
 
-def _pipeline(engine: Engine, config, splits):
-    """The model's stages on consecutive devices, each batch pipelined as micro-batches."""
+def _pipeline(engine: Engine, config, task, train, evaluation):
+    """The model's stages on consecutive devices, each batch pipelined as micro-batches (the presets)."""
     stages = model_parallel.Pipeline(engine.model, engine.strategy, config.microbatches)
     for line in stages.describe():
         log.info(line)
     engine.run_steps = _timed_calls(model_parallel.make_train_function(stages, engine.optimizer,
                                                                        engine.global_batch))
     engine.make_input = lambda first_step, limit=None: keep_for_process(iter(
-        _train_dataset(config, splits, engine.global_batch, first_step, limit)))
-    test_iterator = keep_for_process(iter(_test_dataset(splits, engine.global_batch)))
-    engine.evaluate = make_evaluation(model_parallel.make_test_function(stages), test_iterator,
-                                      pipeline.test_steps(len(splits.test_images), engine.global_batch))
+        train.training(engine.global_batch, config.seed, first_step, limit, config)))
+    dataset, steps = evaluation.evaluation(engine.global_batch)
+    engine.evaluate = make_evaluation(model_parallel.make_evaluate_function(stages), keep_for_process(iter(dataset)),
+                                      steps, engine.objective, engine.model)
 
 
-def _parameter_servers(engine: Engine, config, splits):
-    """Workers step asynchronously on variables that live on the parameter servers; the chief schedules."""
+def _parameter_servers(engine: Engine, config, task, train, evaluation):
+    """Workers step asynchronously on variables that live on the parameter servers; the chief schedules (the presets)."""
     strategy, num_workers = engine.strategy, engine.replicas
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     scheduler = parameter_server.Scheduler(coordinator, parameter_server.make_worker_step(
@@ -268,15 +365,16 @@ def _parameter_servers(engine: Engine, config, splits):
         def worker_dataset(_context):
             # This worker's shard of the seeded batch order, from where the checkpoint left off.
             worker = tf.distribute.coordinator.experimental_get_current_worker_index()
-            return _train_dataset(config, splits, engine.global_batch, first_step, limit).shard(num_workers, worker)
+            return train.training(engine.global_batch, config.seed, first_step, limit, config).shard(num_workers,
+                                                                                                   worker)
 
         return keep_for_process(iter(coordinator.create_per_worker_dataset(
             tf.function(lambda: strategy.distribute_datasets_from_function(worker_dataset)))))
 
     engine.make_input = make_input
-    test_iterator = keep_for_process(iter(_test_dataset(splits, engine.global_batch)))  # on the chief
-    engine.evaluate = make_evaluation(parameter_server.make_test_function(engine.model), test_iterator,
-                                      pipeline.test_steps(len(splits.test_images), engine.global_batch))
+    dataset, steps = evaluation.evaluation(engine.global_batch)  # on the chief
+    engine.evaluate = make_evaluation(parameter_server.make_evaluate_function(engine.model),
+                                      keep_for_process(iter(dataset)), steps, engine.objective, engine.model)
 
 
 _PLACEMENTS = {SYNCHRONOUS: _place_synchronous, PIPELINE: _place_pipeline, PARAMETER_SERVERS: _place_parameter_servers}

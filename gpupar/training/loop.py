@@ -3,7 +3,9 @@
 The loop drives an Engine (gpupar.training.engine) and knows nothing of its mode: it asks for
 calls of steps, adds up the results each call reports (a parameter-server engine reports
 steps that finished later than they were asked for), and at an epoch's end, or before it
-saves, lets the engine finish what is still in flight.
+saves, lets the engine finish what is still in flight. It calls the Keras callbacks as
+`model.fit` does: on_train_begin/end, on_epoch_begin/end with the epoch's logs, and
+on_train_batch_end once per call; `model.stop_training` stops it after a checkpoint.
 """
 
 import dataclasses
@@ -12,7 +14,10 @@ import math
 import signal
 import statistics
 import time
-from typing import Dict
+from typing import Dict, List
+
+import keras
+import numpy as np
 
 from gpupar.errors import GpuparError
 from gpupar.monitor import bottleneck
@@ -20,7 +25,7 @@ from gpupar.monitor.bottleneck import InputWait
 from gpupar.monitor.profiling import ProfileWindow
 from gpupar.training.checkpoint import Position
 from gpupar.training.interrupt import TrainingInterrupted
-from gpupar.training.result import EpochRecord
+from gpupar.training.result import EpochRecord, format_logs
 from gpupar.training.steps import Results
 
 log = logging.getLogger("gpupar")
@@ -33,20 +38,20 @@ class EpochTotals:
     Attributes:
       steps: Steps run, skipped ones included.
       skipped: Steps dropped for a non-finite loss or gradient.
-      images: Training examples of all those steps (for the speed).
-      examples: Examples of the steps kept (for the means).
-      loss: Sum over the kept steps of each step's mean loss times its examples.
-      correct: Correct predictions in the kept steps.
+      examples: Training examples of all those steps (for the speed).
+      kept: Examples of the steps kept (for the mean loss).
+      loss: Sum over the kept steps of each step's loss times its examples.
+      states: The metrics' states summed over the steps (gpupar.training.objective), flattened.
       seconds: Wall time of the steps.
       by_worker: Steps each worker ran (parameter servers), by worker index as a string.
     """
 
     steps: int = 0
     skipped: int = 0
-    images: int = 0
     examples: int = 0
+    kept: int = 0
     loss: float = 0.0
-    correct: float = 0.0
+    states: List[list] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
     by_worker: Dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -54,29 +59,39 @@ class EpochTotals:
     def from_dict(cls, values) -> "EpochTotals":
         return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
 
+    def to_dict(self) -> dict:
+        """The totals as JSON-able values (a step checkpoint holds them)."""
+        return dataclasses.asdict(self)
+
+    def copy(self) -> "EpochTotals":
+        return EpochTotals.from_dict(self.to_dict())
+
     def add(self, results: Results, skipped: int, global_batch: int):
         """Adds one call's finished steps, `skipped` of them dropped as non-finite."""
         self.steps, self.skipped = self.steps + results.steps, self.skipped + skipped
-        self.images += results.steps * global_batch
-        self.examples += (results.steps - skipped) * global_batch
+        self.examples += results.steps * global_batch
+        self.kept += (results.steps - skipped) * global_batch
         self.loss += results.loss * global_batch
-        self.correct += results.correct
+        if results.states:
+            self.states = [np.add(a, b).tolist() for a, b in zip(self.states, results.states)] if self.states else [
+                np.asarray(s).tolist() for s in results.states]
         for worker, steps in results.by_worker.items():
             self.by_worker[str(worker)] = self.by_worker.get(str(worker), 0) + steps
 
     def since(self, earlier: "EpochTotals") -> "EpochTotals":
         """The sums of the steps after `earlier`."""
-        numbers = [getattr(self, f.name) - getattr(earlier, f.name) for f in dataclasses.fields(self)[:-1]]
-        return EpochTotals(*numbers, {w: n - earlier.by_worker.get(w, 0) for w, n in self.by_worker.items()})
+        states = [np.subtract(a, b).tolist() for a, b in zip(self.states, earlier.states or
+                                                             [np.zeros_like(s) for s in self.states])]
+        return EpochTotals(self.steps - earlier.steps, self.skipped - earlier.skipped, self.examples - earlier.examples,
+                           self.kept - earlier.kept, self.loss - earlier.loss, states, self.seconds - earlier.seconds,
+                           {w: n - earlier.by_worker.get(w, 0) for w, n in self.by_worker.items()})
 
-    @property
-    def mean_loss(self) -> float:
-        return self.loss / max(self.examples, 1)
-
-    @property
-    def accuracy(self) -> float:
-        return self.correct / max(self.examples, 1)
-
+    def logs(self, objective) -> dict:
+        """{"loss": ..., "<metric>": ...} of these steps, Keras' names."""
+        logs = {"loss": self.loss / max(self.kept, 1)}
+        if self.states:
+            logs.update(objective.results(self.states))
+        return logs
 
 
 def _workers_note(by_worker) -> str:
@@ -104,6 +119,10 @@ def _crosses(before: int, after: int, every) -> bool:
     return every is not None and after // every > before // every
 
 
+class _CallbackStop(Exception):
+    """A callback set model.stop_training within an epoch; the loop has saved where it stood."""
+
+
 class Loop:
     """Trains an engine from a checkpoint's position to config.epochs, saving as it goes.
 
@@ -112,11 +131,14 @@ class Loop:
       config: The run's Config.
       checkpoints: Where the loop saves (gpupar.training.checkpoint.Checkpoints).
       summaries: The TensorBoard writer (gpupar.training.summaries.Summaries).
+      callbacks: The Keras callbacks, as a keras.callbacks.CallbackList.
       gpu_sampler: The NVML sampler of the GPUs in use, or None.
     """
 
-    def __init__(self, engine, config, checkpoints, summaries, gpu_sampler=None):
+    def __init__(self, engine, config, checkpoints, summaries, callbacks=(), gpu_sampler=None):
         self.engine, self.config, self.checkpoints, self.summaries = engine, config, checkpoints, summaries
+        self.callbacks = keras.callbacks.CallbackList(list(callbacks), model=engine.model, epochs=config.epochs,
+                                                      steps=engine.steps_per_epoch, verbose=0)
         self.gpu_sampler, self.gpus = gpu_sampler, []  # the GPUs' summaries over the last epoch
         self.profile = ProfileWindow(config.profile_steps, config.log_dir)
         self.done = 0  # steps this process asked for, for the profile window
@@ -151,19 +173,24 @@ class Loop:
 
     def _chunk(self, step):
         """Steps in the next call: K, cut at the epoch end and at step-checkpoint boundaries."""
-        spe = self.engine.steps_per_epoch
-        num = min(self.engine.steps_per_call, spe - step)
+        num = min(self.engine.steps_per_call, self.engine.steps_per_epoch - step)
         every = self.config.checkpoint_every_steps
         if every is not None:
             num = min(num, every - step % every)
         return self.profile.limit(self.done, num)
 
     def epoch(self, epoch, start: Position, stop) -> EpochRecord:
-        """Trains the rest of one epoch from `start`; returns its EpochRecord, the whole epoch's."""
+        """Trains the rest of one epoch from `start`; returns its EpochRecord, the whole epoch's.
+
+        Raises:
+          TrainingInterrupted: a signal, after a step checkpoint.
+          _CallbackStop: a callback set model.stop_training, after a step checkpoint.
+        """
         config, per_epoch, batch = self.config, self.engine.steps_per_epoch, self.engine.global_batch
+        objective = self.engine.objective
         began = time.perf_counter()
         totals = EpochTotals.from_dict(start.totals)  # the steps before start.step, in an earlier run
-        shown, shown_time = dataclasses.replace(totals, by_worker=dict(totals.by_worker)), began
+        shown, shown_time = totals.copy(), began
         asked = finished = start.step  # steps asked for, and steps the engine reported finished
         self.wait = InputWait()
         if self.gpu_sampler:
@@ -174,23 +201,25 @@ class Loop:
             before, finished = finished, finished + results.steps
             totals.add(results, skipped, batch)
             _check_finite(totals.loss, epoch, before + 1, finished, self.checkpoints.latest)
-            if results.steps and (_crosses(before, finished, config.display_step) or finished == per_epoch or stop.signum):
+            if results.steps:
+                self.callbacks.on_train_batch_end(finished - 1, totals.logs(objective))
+            if results.steps and (_crosses(before, finished, config.display_step) or finished == per_epoch
+                                  or stop.signum):
                 now, interval = time.perf_counter(), totals.since(shown)
-                log.info(
-                    "Epoch:[%d] [%d / %d] loss: %.4f, acc: %.4f, %s img/s%s%s", epoch, finished, per_epoch,
-                    interval.mean_loss, interval.accuracy, f"{interval.images / (now - shown_time):,.0f}",
-                    f", skipped {interval.skipped} non-finite step(s)" if interval.skipped else "",
-                    _workers_note(interval.by_worker),
-                )
+                logs = interval.logs(objective)
+                log.info("Epoch:[%d] [%d / %d] %s, %s examples/s%s%s", epoch, finished, per_epoch, format_logs(logs),
+                         f"{interval.examples / (now - shown_time):,.0f}",
+                         f", skipped {interval.skipped} non-finite step(s)" if interval.skipped else "",
+                         _workers_note(interval.by_worker))
                 self._warn_if_input_bound()
-                self.summaries.step(epoch * per_epoch + finished, interval.mean_loss)
-                shown, shown_time = dataclasses.replace(totals, by_worker=dict(totals.by_worker)), now
+                self.summaries.step(epoch * per_epoch + finished, logs)
+                shown, shown_time = totals.copy(), now
 
         def save_step():
             add(self.engine.finish(), 0)  # every step asked for is in the weights, and in the totals
-            now = dataclasses.replace(totals, seconds=totals.seconds + time.perf_counter() - began)
+            now = dataclasses.replace(totals.copy(), seconds=totals.seconds + time.perf_counter() - began)
             return self._save(epoch, asked, lambda: self.checkpoints.save_step(
-                Position(epoch, asked, totals=dataclasses.asdict(now)), epoch * per_epoch + asked))
+                Position(epoch, asked, totals=now.to_dict()), epoch * per_epoch + asked))
 
         while asked < per_epoch:
             if stop.signum:
@@ -198,15 +227,20 @@ class Loop:
             num_steps = self._chunk(asked)
             add(*self._call(num_steps))
             asked += num_steps
-            if asked < per_epoch and not stop.signum and _crosses(asked - num_steps, asked, config.checkpoint_every_steps):
+            if asked < per_epoch and self.engine.model.stop_training:
+                saved = save_step()
+                log.info("Epoch:[%d] a callback stopped training at step %d%s", epoch, asked,
+                         f"; saved {saved}" if saved else "")
+                raise _CallbackStop()
+            if asked < per_epoch and not stop.signum and _crosses(asked - num_steps, asked,
+                                                                   config.checkpoint_every_steps):
                 save_step()
         add(self.engine.finish(), 0)
         totals.seconds += time.perf_counter() - began
         self.gpus = self.gpu_sampler.take() if self.gpu_sampler else []
         return EpochRecord(
-            epoch=epoch, train_loss=totals.mean_loss, train_accuracy=totals.accuracy,
-            test_accuracy=self.engine.evaluate(), seconds=totals.seconds,
-            images_per_second=totals.images / totals.seconds, steps=totals.steps, skipped_steps=totals.skipped,
+            epoch=epoch, logs={**totals.logs(objective), **self.engine.evaluate()}, seconds=totals.seconds,
+            examples_per_second=totals.examples / totals.seconds, steps=totals.steps, skipped_steps=totals.skipped,
             input_wait_fraction=self.wait.fraction, resumed_at_step=start.step,
             updates_by_worker=dict(totals.by_worker) or None,
             gpu_util_percent=statistics.fmean(g.mean_util_percent for g in self.gpus) if self.gpus else None,
@@ -224,26 +258,34 @@ class Loop:
         if start.epoch >= self.config.epochs:
             log.info("nothing to train: the checkpoint already holds %d epoch(s), epochs=%d",
                      start.epoch, self.config.epochs)
+        self.engine.model.stop_training = False
+        self.callbacks.on_train_begin()
         for epoch in range(start.epoch, self.config.epochs):
-            record = self.epoch(epoch, start if epoch == start.epoch else Position(epoch), stop)
+            self.callbacks.on_epoch_begin(epoch)
+            try:
+                record = self.epoch(epoch, start if epoch == start.epoch else Position(epoch), stop)
+            except _CallbackStop:
+                break
             history.append(record)
             self.summaries.epoch(epoch, record)
             saved = self._save(epoch, self.engine.steps_per_epoch, lambda: self.checkpoints.save_epoch(epoch + 1))
-            log.info(
-                "Epoch:[%d] train loss: %.4f, train acc: %.4f, test acc: %.4f, %.1f s, %s img/s%s%s", epoch,
-                record.train_loss, record.train_accuracy, record.test_accuracy, record.seconds,
-                f"{record.images_per_second:,.0f}", _workers_note(record.updates_by_worker),
-                f", saved {saved}" if saved else "",
-            )
+            log.info("Epoch:[%d] %s, %.1f s, %s examples/s%s%s", epoch, format_logs(record.logs), record.seconds,
+                     f"{record.examples_per_second:,.0f}", _workers_note(record.updates_by_worker),
+                     f", saved {saved}" if saved else "")
             if self.wait.steps:
                 log.info("Epoch:[%d] %s", epoch, self.wait.describe())
             for gpu in self.gpus:
                 log.info("Epoch:[%d] %s", epoch, gpu.describe())
             self._warn_if_input_bound()
+            self.callbacks.on_epoch_end(epoch, dict(record.logs))
             if stop.signum:
                 self._interrupt(stop, saved)
-            if self.config.reached_target(record.test_accuracy):
-                log.info("Epoch:[%d] test accuracy %.4f reached stop_at_accuracy=%s; stopping", epoch,
-                         record.test_accuracy, self.config.stop_at_accuracy)
+            reached = self.config.reached(record.logs)
+            if reached:
+                log.info("Epoch:[%d] %s; stopping", epoch, reached)
                 break
+            if self.engine.model.stop_training:
+                log.info("Epoch:[%d] a callback stopped training", epoch)
+                break
+        self.callbacks.on_train_end(dict(history[-1].logs) if history else None)
         return history

@@ -17,6 +17,7 @@ import collections
 import logging
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from gpupar.runtime.cluster import Cluster
@@ -47,7 +48,10 @@ def serve(config, cluster: Cluster):
 
 
 def make_worker_step(strategy, model, optimizer):
-    """Returns train(iterator, num_steps) -> (loss sum, correct, worker index), run on one worker."""
+    """Returns train(iterator, num_steps) -> (loss sum, accuracy state, worker index), run on one worker.
+
+    The accuracy state is SparseCategoricalAccuracy's, (correct, examples), as the MNIST preset's.
+    """
 
     def replica_step(images, labels):
         with tf.GradientTape() as tape:
@@ -56,26 +60,29 @@ def make_worker_step(strategy, model, optimizer):
             loss = tf.reduce_mean(per_example) + tf.add_n(model.losses)  # one replica: its batch is the batch
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply(grads, model.trainable_variables)  # on the ps tasks, without waiting for others
-        return loss, count_correct(logits, labels)
+        return loss, [count_correct(logits, labels), tf.cast(tf.shape(labels)[0], tf.float32)]
 
-    steps = steps_in_one_call(lambda batch: strategy.run(replica_step, args=batch))
+    steps = steps_in_one_call(lambda batch: strategy.run(replica_step, args=batch), (0.0, [0.0, 0.0]))
 
     @tf.function
     def train(iterator, num_steps):
-        loss, correct = steps(iterator, num_steps)
-        return loss, correct, tf.distribute.coordinator.experimental_get_current_worker_index()
+        loss, states = steps(iterator, num_steps)
+        return loss, states, tf.distribute.coordinator.experimental_get_current_worker_index()
 
     return train
 
 
-def make_test_function(model):
-    """Returns test(iterator, num_steps) -> (correct predictions, examples), run on the chief from the ps variables."""
+def make_evaluate_function(model):
+    """Returns evaluate(iterator, num_steps) -> (loss numerators, denominators, accuracy state), on the chief."""
 
     def batch_step(batch):
         images, labels = batch
-        return count_correct(model(images, training=False), labels), tf.cast(tf.shape(labels)[0], tf.float32)
+        logits = model(images, training=False)
+        count = tf.cast(tf.shape(labels)[0], tf.float32)
+        loss_sum = tf.reduce_sum(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+        return tf.stack([loss_sum]), tf.stack([count]), [count_correct(logits, labels), count]
 
-    return steps_in_one_call(batch_step)
+    return steps_in_one_call(batch_step, (np.zeros(1), np.zeros(1), [0.0, 0.0]))
 
 
 class Scheduler:
@@ -93,8 +100,8 @@ class Scheduler:
 
     def _collect(self) -> Results:
         num_steps, remote = self.pending.popleft()
-        loss, correct, worker = _fetch(self.coordinator, remote)
-        return Results(num_steps, float(loss), float(correct), by_worker={int(worker): num_steps})
+        loss, states, worker = _fetch(self.coordinator, remote)
+        return Results(num_steps, float(loss), [float(s) for s in states], by_worker={int(worker): num_steps})
 
     def schedule(self, iterator, num_steps: int) -> Results:
         """Schedules one call of num_steps steps; returns the results of the calls that finished meanwhile."""

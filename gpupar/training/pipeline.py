@@ -13,6 +13,7 @@ micro-batch i+1 does not depend on stage k+1's work on micro-batch i, and the tw
 """
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from gpupar.errors import GpuparError
@@ -130,25 +131,27 @@ class Pipeline:
                 total = [g if d is None else g + d for g, d in zip(total, reg_grads)]
         return total, reg
 
-    def correct(self, images, labels):
-        """(correct predictions, examples) with inference behaviour, pipelined like training."""
+    def evaluate(self, images, labels):
+        """(sum of the per-example losses, correct predictions, examples), with inference behaviour, pipelined."""
         plan, num_m = self.plan, self.microbatches
         xs, ys = _pieces(images, plan.num_replicas * num_m), _pieces(labels, plan.num_replicas * num_m)
-        corrects = []
+        losses, corrects = [], []
         for i in range(num_m):
             for r, devices in enumerate(plan.replicas):
-                x = xs[r * num_m + i]
+                x, y = xs[r * num_m + i], ys[r * num_m + i]
                 for k in range(plan.num_stages):
                     with tf.device(devices[k]), tf.name_scope(f"forward_r{r}_s{k}_m{i}"):
                         x = self._stage(k, x, training=False)
-                corrects.append(count_correct(x, ys[r * num_m + i]))
-        return tf.add_n(corrects), tf.cast(tf.shape(labels)[0], tf.float32)
+                losses.append(tf.reduce_sum(keras.losses.sparse_categorical_crossentropy(y, x, from_logits=True)))
+                corrects.append(count_correct(x, y))
+        return tf.add_n(losses), tf.add_n(corrects), tf.cast(tf.shape(labels)[0], tf.float32)
 
 
 def make_train_function(pipeline: Pipeline, optimizer, global_batch: int):
-    """Returns train(iterator, num_steps[, skip_first_wait]) -> (loss sum, correct, input wait s, step s).
+    """Returns train(iterator, num_steps, skip_first_wait) -> ((loss sum, accuracy state), input wait s, step s).
 
-    One tf.function call of num_steps pipelined steps, timed as the synchronous steps are.
+    One tf.function call of num_steps pipelined steps, timed as the synchronous steps are; the
+    accuracy state is SparseCategoricalAccuracy's, (correct, examples).
     """
 
     def batch_step(batch):
@@ -156,11 +159,16 @@ def make_train_function(pipeline: Pipeline, optimizer, global_batch: int):
         loss, correct, grads = pipeline.gradients(images, labels, global_batch)
         # Keras applies each variable's update colocated with the variable: on its stage's device.
         optimizer.apply(grads, pipeline.model.trainable_variables)
-        return loss, correct
+        return loss, [correct, tf.cast(tf.shape(labels)[0], tf.float32)]
 
-    return steps_in_one_call(batch_step, timed=True)
+    return steps_in_one_call(batch_step, (0.0, [0.0, 0.0]), timed=True)
 
 
-def make_test_function(pipeline: Pipeline):
-    """Returns test(iterator, num_steps) -> (correct predictions, examples seen)."""
-    return steps_in_one_call(lambda batch: pipeline.correct(*batch))
+def make_evaluate_function(pipeline: Pipeline):
+    """Returns evaluate(iterator, num_steps) -> (loss numerators, denominators, accuracy state), as the steps'."""
+
+    def batch_step(batch):
+        loss_sum, correct, count = pipeline.evaluate(*batch)
+        return tf.stack([loss_sum]), tf.stack([count]), [correct, count]
+
+    return steps_in_one_call(batch_step, (np.zeros(1), np.zeros(1), [0.0, 0.0]))

@@ -8,17 +8,21 @@ from typing import Any, Dict, List, Optional
 from gpupar.errors import GpuparError
 
 
+def format_logs(logs) -> str:
+    """'loss: 0.6119, accuracy: 0.8012, val_loss: ...': a progress line's numbers, Keras' names."""
+    return ", ".join(f"{name}: {value:.4f}" for name, value in logs.items())
+
+
 @dataclasses.dataclass(frozen=True)
 class EpochRecord:
     """One epoch's numbers.
 
     Attributes:
       epoch: Epoch index, from 0 (ckpt-<epoch + 1> holds the state after it).
-      train_loss: Mean training loss (cross-entropy plus L2) over the epoch's steps.
-      train_accuracy: Training accuracy over the epoch's steps (dropout on).
-      test_accuracy: Accuracy on the whole test set after the epoch.
+      logs: What Keras' model.fit logs for the epoch: "loss" and each metric over the epoch's training
+        steps, and "val_loss" and "val_<metric>" on the whole evaluation set after it.
       seconds: Wall time of the epoch's training steps (in every run that trained them), evaluation excluded.
-      images_per_second: Training images per second over the epoch.
+      examples_per_second: Training examples per second over the epoch.
       steps: Training steps in the epoch (with those of an earlier run, when it resumed mid-epoch).
       skipped_steps: Steps dropped for a non-finite loss or gradient (nan_policy=skip).
       input_wait_fraction: Share of step time spent waiting for input batches (see gpupar.monitor.bottleneck).
@@ -29,11 +33,9 @@ class EpochRecord:
     """
 
     epoch: int
-    train_loss: float
-    train_accuracy: float
-    test_accuracy: float
+    logs: Dict[str, float]
     seconds: float
-    images_per_second: float
+    examples_per_second: float
     steps: int
     skipped_steps: int = 0
     input_wait_fraction: float = 0.0
@@ -42,16 +44,31 @@ class EpochRecord:
     resumed_at_step: int = 0
     updates_by_worker: Optional[Dict[str, int]] = None
 
+    @property
+    def train_loss(self) -> float:
+        """logs["loss"]."""
+        return self.logs["loss"]
+
+    @property
+    def train_accuracy(self) -> Optional[float]:
+        """logs["accuracy"], where the run has that metric."""
+        return self.logs.get("accuracy")
+
+    @property
+    def test_accuracy(self) -> Optional[float]:
+        """logs["val_accuracy"], where the run has evaluation data and that metric."""
+        return self.logs.get("val_accuracy")
+
 
 @dataclasses.dataclass
 class FitResult:
-    """The outcome of fit_mnist.
+    """The outcome of gpupar.fit or gpupar.fit_mnist.
 
     Attributes:
       model: The trained Keras model.
       strategy: The tf.distribute.Strategy it was trained with (the StagePlan for model_parallel).
       history: One EpochRecord per epoch trained in this run.
-      test_accuracy: Test accuracy of the final model.
+      logs: The final model's logs: the last epoch's, or a fresh evaluation when nothing was left to train.
       total_seconds: Wall time of the whole run, set-up included.
       strategy_description: The one-line description of the strategy that was chosen.
       replicas: Number of replicas (data-parallel copies of the whole pipeline for model_parallel).
@@ -63,7 +80,7 @@ class FitResult:
     model: Any
     strategy: Any
     history: List[EpochRecord]
-    test_accuracy: float
+    logs: Dict[str, float]
     total_seconds: float
     strategy_description: str
     replicas: int
@@ -71,10 +88,15 @@ class FitResult:
     start_epoch: int
     checkpoint: Optional[str]
 
+    @property
+    def test_accuracy(self) -> Optional[float]:
+        """logs["val_accuracy"]: the final model's accuracy on the evaluation set (the MNIST test set)."""
+        return self.logs.get("val_accuracy")
+
     def metrics(self) -> dict:
         """Everything but the model and strategy objects, as plain JSON-able values."""
         return {
-            "test_accuracy": self.test_accuracy,
+            "logs": dict(self.logs),
             "total_seconds": self.total_seconds,
             "strategy": self.strategy_description,
             "replicas": self.replicas,
@@ -83,6 +105,19 @@ class FitResult:
             "checkpoint": self.checkpoint,
             "history": [dataclasses.asdict(r) for r in self.history],
         }
+
+    def save(self, path: str):
+        """Writes the trained model as a .keras file that keras.models.load_model reads with Keras alone.
+
+        gpupar's own layers become Keras' (gpupar.models.export), with the same weights and the same
+        predictions.
+
+        Raises:
+          GpuparError: a path that does not end in .keras, or cannot be written.
+        """
+        from gpupar.models.export import save_model
+
+        save_model(self.model, path)
 
     def write_json(self, path: str):
         """Writes metrics() to path, creating its folder.

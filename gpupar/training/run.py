@@ -1,7 +1,7 @@
 """One training run from a Config: cluster dispatch, output folders, locks, restore, the loop, the result.
 
     import gpupar
-    result = gpupar.fit_mnist(dataset="fashion_mnist", data_dir="/usr/share/datasets/fashion-mnist")
+    result = gpupar.fit(model_fn, (x, y), eval_data=(x_test, y_test), strategy="mirrored")
 
 In a synchronous cluster every worker runs the same loop and only the chief keeps what it writes
 (gpupar.training.multi_worker); with parameter servers the chief coordinates and the other
@@ -23,25 +23,26 @@ from gpupar.training.engine import build_engine
 from gpupar.training.interrupt import StopRequests
 from gpupar.training.loop import Loop
 from gpupar.training.outputs import describe_outputs, resolve_outputs
-from gpupar.training.result import FitResult
+from gpupar.training.result import FitResult, format_logs
+from gpupar.training.task import Task
 from gpupar.training.summaries import Summaries
 
 log = logging.getLogger("gpupar")
 
 
-def train_and_evaluate(config: Config, optimizer=None) -> FitResult:
-    """Trains config.model as the config says, evaluating and checkpointing after every epoch.
+def train_and_evaluate(config: Config, task: Task) -> FitResult:
+    """Trains `task` as the config says, evaluating and checkpointing after every epoch.
 
     Args:
       config: The run's options.
-      optimizer: A Keras optimizer to use instead of Adam(config.learning_rate).
+      task: What to train (gpupar.training.task: gpupar.fit's arguments, or an MNIST preset).
 
     Returns:
-      The FitResult: the model, its history and final test accuracy.
+      The FitResult: the model, its history and final logs.
 
     Raises:
-      GpuparError: a bad option or input, a failed save, a non-finite loss (the last good
-        checkpoint is kept), a cluster that broke.
+      GpuparError: a bad option or input (before any step, nothing written), a failed save, a
+        non-finite loss (the last good checkpoint is kept), a cluster that broke.
       TrainingInterrupted: SIGINT or SIGTERM, after a checkpoint.
     """
     cluster = detect_cluster(slurm_ps=config.slurm_ps)
@@ -51,24 +52,23 @@ def train_and_evaluate(config: Config, optimizer=None) -> FitResult:
     config = resolve_outputs(config, chief=chief)
     if mode == PARAMETER_SERVERS and cluster is not None and cluster.task_type != "chief":
         parameter_server.serve(config, cluster)  # never returns
+    started = time.perf_counter()
+    engine = build_engine(config, task, cluster)  # every check of the input first: nothing is written before
     with contextlib.ExitStack() as held:
         held.enter_context(ModelDirLock(config.model_dir if chief and config.save else None))
         stop = held.enter_context(StopRequests())
         scratch = None
-        if cluster is not None and mode != PARAMETER_SERVERS:
-            scratch = held.enter_context(multi_worker.ScratchDir(cluster, config.model_dir, config.save)).path
-            config = multi_worker.worker_config(config, cluster)
-        return _run(config, stop, cluster, scratch, optimizer)
+        if cluster is not None:
+            # TF's coordination service took SIGTERM over when the strategy started.
+            stop.reinstall()
+            if mode != PARAMETER_SERVERS:
+                scratch = held.enter_context(multi_worker.ScratchDir(cluster, config.model_dir, config.save)).path
+                config = multi_worker.worker_config(config, cluster)
+                stop = multi_worker.AgreedStop(stop, engine.strategy)  # every worker stops after the same step
+        return _run(config, engine, task, stop, cluster, scratch, started)
 
 
-def _run(config: Config, stop, cluster, scratch_dir, optimizer) -> FitResult:
-    started = time.perf_counter()
-    engine = build_engine(config, cluster, optimizer)
-    if cluster is not None:
-        # TF's coordination service took SIGTERM over when the strategy started.
-        stop.reinstall()
-        if run_mode(config, cluster) != PARAMETER_SERVERS:
-            stop = multi_worker.AgreedStop(stop, engine.strategy)  # every worker stops after the same step
+def _run(config: Config, engine, task, stop, cluster, scratch_dir, started) -> FitResult:
     checkpoints = Checkpoints(config.model_dir, engine.model, engine.optimizer, config.max_to_keep,
                               engine.global_batch, engine.signature, config.save)
     saved_at = checkpoints.restore(config.resume)
@@ -89,19 +89,22 @@ def _run(config: Config, stop, cluster, scratch_dir, optimizer) -> FitResult:
         gpu_sampler = utilisation.start_sampler(engine.visible_gpus, log)
         if gpu_sampler:
             cleanup.callback(gpu_sampler.stop)
-        loop = Loop(engine, config, checkpoints, summaries, gpu_sampler)
+        loop = Loop(engine, config, checkpoints, summaries, task.callbacks, gpu_sampler)
         cleanup.callback(loop.profile.stop)
         history = loop.run(start, stop)
-    test_accuracy = history[-1].test_accuracy if history else engine.evaluate()
+    logs = dict(history[-1].logs) if history else engine.evaluate()
     total = time.perf_counter() - started
-    log.info("Test accuracy: %.4f; total time: %.1f s", test_accuracy, total)
+    log.info("Final: %s; total time: %.1f s", format_logs(logs) or "no evaluation data", total)
     result = FitResult(
-        model=engine.model, strategy=engine.strategy, history=history, test_accuracy=test_accuracy,
-        total_seconds=total, strategy_description=engine.description, replicas=engine.replicas,
-        global_batch=engine.global_batch, start_epoch=start.epoch, checkpoint=checkpoints.latest,
+        model=engine.model, strategy=engine.strategy, history=history, logs=logs, total_seconds=total,
+        strategy_description=engine.description, replicas=engine.replicas, global_batch=engine.global_batch,
+        start_epoch=start.epoch, checkpoint=checkpoints.latest,
     )
     if config.metrics_json:
         result.write_json(config.metrics_json)
+    if config.export_path and (cluster is None or cluster.is_chief):
+        result.save(config.export_path)
+        log.info("exported the model to %s (keras.models.load_model reads it)", config.export_path)
     log.info(describe_outputs(config, checkpoints.latest))
     return result
 

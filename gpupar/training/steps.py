@@ -9,9 +9,10 @@ import dataclasses
 from typing import Mapping, Optional
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from gpupar.data import augment
+from gpupar.models.layers import replica_seeds
 
 SUM = tf.distribute.ReduceOp.SUM
 
@@ -22,8 +23,8 @@ class Results:
 
     Attributes:
       steps: Steps finished.
-      loss: Sum of their mean losses (0 for a step skipped as non-finite).
-      correct: Correct predictions in them.
+      loss: Sum of their losses, each the mean over its global batch (0 for a step skipped as non-finite).
+      states: The metrics' states summed over the steps (gpupar.training.objective), flattened.
       waited: Seconds the devices waited for input batches; None where not timed.
       busy: Seconds of the steps themselves; None where not timed.
       by_worker: Steps finished by each worker (parameter servers), else empty.
@@ -31,7 +32,7 @@ class Results:
 
     steps: int = 0
     loss: float = 0.0
-    correct: float = 0.0
+    states: list = dataclasses.field(default_factory=list)
     waited: Optional[float] = None
     busy: Optional[float] = None
     by_worker: Mapping[int, int] = dataclasses.field(default_factory=dict)
@@ -43,7 +44,9 @@ class Results:
         workers = dict(self.by_worker)
         for worker, steps in other.by_worker.items():
             workers[worker] = workers.get(worker, 0) + steps
-        return Results(self.steps + other.steps, self.loss + other.loss, self.correct + other.correct,
+        states = [a + b for a, b in zip(self.states, other.states)] if self.states and other.states else (
+            self.states or other.states)
+        return Results(self.steps + other.steps, self.loss + other.loss, states,
                        plus(self.waited, other.waited), plus(self.busy, other.busy), workers)
 
 
@@ -69,31 +72,37 @@ def _mean_arrival(batch):
     return tf.reduce_mean(tf.stack(stamps))
 
 
-def steps_in_one_call(batch_step, timed=False):
+def _add(totals, values):
+    return tf.nest.map_structure(tf.add, totals, values)
+
+
+def steps_in_one_call(batch_step, zeros, timed=False):
     """A tf.function(iterator, num_steps) that runs batch_step on num_steps batches in one call.
 
-    batch_step(batch) returns two scalars, (loss, correct); they come back summed over the steps.
-    With `timed` the function takes a third argument, skip_first_wait (default False), and also
-    returns the seconds spent waiting for input batches and the rest of the call's time (the
-    steps: forward, backward, update), read from in-graph timestamps so that measuring adds no
-    host round trip. A step's wait is the mean over replicas of the time until the replica has
-    its share of the batch (how long a device sits idle for input); skip_first_wait leaves out
-    the wait for the first batch (a fresh pipeline filling up). On a GPU the timestamps are
-    host-side: the call ends when its sums have reached the host.
+    batch_step(batch) returns a structure of float32 tensors shaped like `zeros`; they come back
+    summed over the steps, on the device until the call ends. With `timed` the function takes a
+    third argument, skip_first_wait (default False), and also returns the seconds spent waiting
+    for input batches and the rest of the call's time (the steps: forward, backward, update), read
+    from in-graph timestamps so that measuring adds no host round trip. A step's wait is the mean
+    over replicas of the time until the replica has its share of the batch (how long a device sits
+    idle for input); skip_first_wait leaves out the wait for the first batch (a fresh pipeline
+    filling up). On a GPU the timestamps are host-side: the call ends when its sums have reached
+    the host.
     """
+
+    def start():
+        return tf.nest.map_structure(lambda z: tf.zeros(np.shape(z), tf.float32), zeros)
 
     @tf.function
     def run(iterator, num_steps):
-        loss_sum, correct_sum = tf.constant(0.0), tf.constant(0.0)
+        totals = start()
         for _ in tf.range(num_steps):
-            loss, correct = batch_step(next(iterator))
-            loss_sum += loss
-            correct_sum += correct
-        return loss_sum, correct_sum
+            totals = _add(totals, batch_step(next(iterator)))
+        return totals
 
     @tf.function
     def timed_run(iterator, num_steps, skip_first_wait=False):
-        loss_sum, correct_sum = tf.constant(0.0), tf.constant(0.0)
+        totals = start()
         began = tf.timestamp()
         waited = tf.constant(0.0, tf.float64)
         for i in tf.range(num_steps):
@@ -106,103 +115,124 @@ def steps_in_one_call(batch_step, timed=False):
             with tf.control_dependencies([asked]):
                 batch = next(iterator)
             arrived = _mean_arrival(batch)
-            loss, correct = batch_step(batch)
-            loss_sum += loss
-            correct_sum += correct
+            totals = _add(totals, batch_step(batch))
             counted = tf.logical_not(tf.logical_and(skip_first_wait, tf.equal(i, 0)))
             waited += tf.where(counted, arrived - asked, tf.constant(0.0, tf.float64))
         with tf.device("/cpu:0"):
-            on_host = tf.identity(tf.stack([loss_sum, correct_sum]))
-        with tf.control_dependencies([on_host, waited]):
+            on_host = [tf.identity(t) for t in tf.nest.flatten(totals)]
+        with tf.control_dependencies([*on_host, waited]):
             ended = tf.timestamp()
-        return loss_sum, correct_sum, waited, ended - began - waited
+        return totals, waited, ended - began - waited
 
     return timed_run if timed else run
 
 
 def summed_over_replicas(strategy, replica_step):
-    """A batch_step for steps_in_one_call: replica_step on every replica, its two scalars summed over them."""
+    """A batch_step for steps_in_one_call: replica_step on every replica, its outputs summed over them."""
 
     def batch_step(batch):
-        loss, correct = strategy.run(replica_step, args=batch)
-        return strategy.reduce(SUM, loss, axis=None), strategy.reduce(SUM, correct, axis=None)
+        outputs = strategy.run(replica_step, args=(batch,))
+        return tf.nest.map_structure(lambda value: strategy.reduce(SUM, value, axis=None), outputs)
 
     return batch_step
 
 
-def make_train_function(strategy, model, optimizer, global_batch: int, skip_nonfinite: bool = False,
-                        augment_seed=None, jit_compile: bool = False):
-    """Returns train(iterator, num_steps, skip_first_wait) -> (loss sum, correct, input wait s, step s).
+def unpack(batch):
+    """(x, y, sample_weight or None) of a batch of (x, y) or (x, y, sample_weight)."""
+    return (*batch, None) if len(batch) == 2 else tuple(batch)
+
+
+def make_train_function(strategy, model, optimizer, objective, skip_nonfinite: bool = False, device_transform=None,
+                        jit_compile: bool = False):
+    """Returns train(iterator, num_steps, skip_first_wait) -> ((loss sum, metric states), input wait s, step s).
 
     It runs num_steps synchronous steps inside one tf.function call; the sums are over replicas
-    and steps, the seconds are from steps_in_one_call. With augment_seed, each replica warps
-    its images (gpupar.data.augment) at the start of the step, on its own device. A
+    and steps, the seconds are from steps_in_one_call. The loss each replica differentiates is
+    its share of the global batch's (gpupar.training.objective) plus its share of the model's
+    regularisation losses. With device_transform(x, step), each replica transforms its inputs
+    (the MNIST preset's augmentation) at the start of the step, on its own device. A
     keras.optimizers.LossScaleOptimizer (mixed_float16, or nan_policy=skip) skips a step whose
     gradients are not finite on any replica, on all of them; with skip_nonfinite such a step also
-    leaves the batch-norm statistics as they were and adds nothing to the sums. With jit_compile
-    each replica's step (forward, backward, update) is one XLA computation.
+    leaves the non-trainable state (batch-norm statistics) as it was and adds nothing to the sums.
+    With jit_compile each replica's step (forward, backward, update) is one XLA computation. Keras'
+    random layers draw apart on each replica (gpupar.models.layers.replica_seeds).
     """
     scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
-    def update(images, labels):
+    def update(x, y, sample_weight):
         statistics = [v for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
         if skip_nonfinite:
             before = [tf.identity(v) for v in statistics]
         with tf.GradientTape() as tape:
-            logits = tf.cast(model(images, training=True), tf.float32)  # a mixed-precision model's are 16-bit
-            per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
-            # Each replica divides by the GLOBAL batch, so summing over replicas gives the mean.
-            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
-            if model.losses:  # the LSTM has no weight penalty
+            with replica_seeds():
+                y_pred = model(x, training=True)
+            y_pred = tf.nest.map_structure(lambda t: tf.cast(t, tf.float32), y_pred)  # 16-bit under mixed precision
+            loss = objective.replica_loss(y, y_pred, sample_weight)
+            if model.losses:  # weight penalties: each replica adds its share, the replicas' sum adds them once
                 loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
             differentiated = optimizer.scale_loss(loss) if scaled else loss
         grads = tape.gradient(differentiated, model.trainable_variables)
-        correct = count_correct(logits, labels)
+        states = objective.metric_states(y, y_pred, sample_weight)
         if scaled:
-            finite = all_finite([*grads, loss])
+            finite = all_finite([g for g in grads if g is not None] + [loss])
             bad = tf.distribute.get_replica_context().all_reduce(SUM, 1.0 - tf.cast(finite, tf.float32)) > 0
             # The loss-scale optimizer skips non-finite gradients but decides from one replica's:
             # poison every replica's so they all agree.
-            grads = [tf.where(bad, tf.constant(float("nan"), g.dtype), g) for g in grads]
+            grads = [None if g is None else tf.where(bad, tf.constant(float("nan"), g.dtype), g) for g in grads]
         if skip_nonfinite:
             for variable, value in zip(statistics, before):
                 variable.assign(tf.where(bad, value, variable))
-            loss, correct = tf.where(bad, 0.0, loss), tf.where(bad, 0.0, correct)
+            loss = tf.where(bad, 0.0, loss)
+            states = [tf.where(bad, tf.zeros_like(s), s) for s in states]
         # The all-reduce happens here: Keras 3's optimizer sums the gradients of all replicas
         # (one ReplicaContext.all_reduce(SUM) over the whole list, through the strategy's
-        # cross-device ops) and then applies one identical Adam update on every replica.
+        # cross-device ops) and then applies one identical update on every replica.
         # Reducing them here as well would make every update num_replicas times too large.
         optimizer.apply(grads, model.trainable_variables)
-        return loss, correct
+        return loss, states
 
     compiled = tf.function(update, jit_compile=True) if jit_compile else update
 
-    def replica_step(images, labels):
-        if augment_seed is not None:  # outside XLA: it has no CPU kernel for the image warp
-            images = augment.random_affine(images, augment.device_seed(augment_seed, optimizer.iterations))
-        return compiled(images, labels)
+    def replica_step(batch):
+        x, y, sample_weight = unpack(batch)
+        if device_transform is not None:  # outside XLA: it has no CPU kernel for the image warp
+            x = device_transform(x, optimizer.iterations)
+        return compiled(x, y, sample_weight)
 
-    return steps_in_one_call(summed_over_replicas(strategy, replica_step), timed=True)
-
-
-def make_test_function(strategy, model):
-    """Returns test(iterator, num_steps) -> (correct predictions, examples seen)."""
-
-    def replica_step(images, labels):
-        logits = model(images, training=False)
-        return count_correct(logits, labels), tf.cast(tf.shape(labels)[0], tf.float32)
-
-    return steps_in_one_call(summed_over_replicas(strategy, replica_step))
+    zeros = (0.0, objective.zero_states())
+    return steps_in_one_call(summed_over_replicas(strategy, replica_step), zeros, timed=True)
 
 
-def make_evaluation(test, iterator, num_steps: int):
-    """Returns evaluate() -> accuracy over num_steps batches, for a test function of steps_in_one_call."""
+def make_evaluate_function(strategy, model, objective):
+    """Returns evaluate(iterator, num_steps) -> (loss numerators, loss denominators, metric states), summed."""
 
-    def evaluate():
-        correct, count = test(iterator, tf.constant(num_steps))
-        return float(correct) / float(count)
+    def replica_step(batch):
+        x, y, sample_weight = unpack(batch)
+        y_pred = tf.nest.map_structure(lambda t: tf.cast(t, tf.float32), model(x, training=False))
+        numerators, denominators = objective.terms(y, y_pred, sample_weight)
+        return numerators, denominators, objective.metric_states(y, y_pred, sample_weight)
 
-    return evaluate
+    terms = np.zeros(len(objective.losses), np.float32)
+    return steps_in_one_call(summed_over_replicas(strategy, replica_step), (terms, terms, objective.zero_states()))
+
+
+def make_evaluation(evaluate, iterator, num_steps: int, objective, model):
+    """Returns evaluation() -> {"val_loss": ..., "val_<metric>": ...} over num_steps batches of `iterator`.
+
+    The loss is each output's weighted sum over the whole set divided by its whole denominator,
+    plus the model's regularisation losses, as Keras' evaluate reports it.
+    """
+
+    def evaluation():
+        numerators, denominators, states = evaluate(iterator, tf.constant(num_steps))
+        loss = float(np.sum(np.divide(numerators.numpy(), np.maximum(denominators.numpy(), 1e-30))))
+        if model.losses:
+            loss += float(tf.add_n(model.losses))
+        logs = {"val_loss": loss}
+        logs.update({f"val_{name}": value for name, value in objective.results([s.numpy() for s in states]).items()})
+        return logs
+
+    return evaluation
 
 
 def make_finite_check(model):

@@ -1,0 +1,261 @@
+"""What training minimises and reports: the loss over the GLOBAL batch, and Keras metrics combined over replicas.
+
+Loss: whatever is given (a Keras name, a keras.losses.Loss, or a function(y_true, y_pred) of one
+value per example), gpupar takes the per-example values and reduces them as the loss's own
+reduction says, over all replicas at once: each replica divides its weighted sum by the global
+denominator (the number of values for "sum_over_batch_size" and "mean", the sum of the sample
+weights for "mean_with_sample_weight"), one scalar all-reduce per step, so the replicas' sum is
+the loss of the whole global batch, a last partial batch included. A Keras loss object's own
+`__call__` is not used: inside a strategy it divides by the replica count a second time.
+
+Metrics: each replica computes its metrics' state for its share of the batch from zero
+(`Metric.stateless_update_state`); the states are sums (totals, counts, confusion matrices), so
+they are summed over replicas, steps and workers on the devices, and the host adds them to the
+metric's own variables once per call to read its result. A metric whose state does not add up
+over batches is refused before training.
+"""
+
+import dataclasses
+from typing import Any, Callable, List, Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from gpupar.errors import GpuparError
+
+SUM = tf.distribute.ReduceOp.SUM
+REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight", "sum")
+_ACCURACY = ("accuracy", "acc")
+
+
+@dataclasses.dataclass
+class LossTerm:
+    """The loss of one model output: its per-example function and its reduction."""
+
+    key: Any  # the output's name or index; None for a model with one output
+    fn: Callable
+    reduction: str
+    name: str
+
+
+@dataclasses.dataclass
+class MetricTerm:
+    """One Keras metric on one output, under the name the logs give it."""
+
+    key: Any
+    metric: Any
+    name: str
+
+
+def _part(structure, key):
+    return structure if key is None else structure[key]
+
+
+def _output_keys(y_pred) -> list:
+    if isinstance(y_pred, dict):
+        return sorted(y_pred)
+    if isinstance(y_pred, (list, tuple)):
+        return list(range(len(y_pred)))
+    return [None]
+
+
+def _loss_term(spec, key, where) -> LossTerm:
+    """The LossTerm of one loss given as a Keras name, a keras.losses.Loss (or its class), or a function."""
+    if isinstance(spec, str):
+        try:
+            spec = keras.losses.get(spec)
+        except ValueError:
+            spec = None
+        if spec is None:
+            raise GpuparError(f"loss{where}: unknown Keras loss name; use one such as "
+                              "'sparse_categorical_crossentropy', 'categorical_crossentropy', 'mse', or pass a "
+                              "keras.losses.Loss or a function(y_true, y_pred)")
+    if isinstance(spec, type) and issubclass(spec, keras.losses.Loss):
+        spec = spec()
+    if isinstance(spec, keras.losses.Loss):
+        reduction = spec.reduction
+        if reduction not in REDUCTIONS:
+            raise GpuparError(f"loss{where}: reduction={reduction!r} leaves the loss unreduced; gpupar averages it over "
+                              f"the global batch as the reduction says: use one of {', '.join(REDUCTIONS)}")
+        return LossTerm(key, spec.call, reduction, spec.name)
+    if callable(spec):
+        return LossTerm(key, spec, "sum_over_batch_size", getattr(spec, "__name__", "loss"))
+    raise GpuparError(f"loss{where} is a {type(spec).__name__}; give a Keras loss name, a keras.losses.Loss or a "
+                      "function(y_true, y_pred)")
+
+
+def _metric(spec, y_true, y_pred, where):
+    """A fresh Keras metric object for `spec` (a name, a Metric, or a function), as Keras' compile resolves it."""
+    if isinstance(spec, str) and spec in _ACCURACY:
+        # As Keras' compile: the accuracy that fits the labels and the outputs.
+        if y_pred.shape[-1] == 1:
+            return keras.metrics.BinaryAccuracy(name="accuracy")
+        if np.ndim(y_true) == len(y_pred.shape) and np.shape(y_true)[-1] == y_pred.shape[-1]:
+            return keras.metrics.CategoricalAccuracy(name="accuracy")
+        return keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+    if isinstance(spec, str):
+        try:
+            found = keras.metrics.get(spec)
+        except ValueError:
+            found = None
+        if found is None:
+            raise GpuparError(f"metrics{where}: {spec!r} is not a Keras metric name; use one such as 'accuracy', "
+                              "'mae', 'auc', or pass a keras.metrics.Metric")
+        # Logged under the name given, as Keras' compile logs it.
+        if isinstance(found, type) and issubclass(found, keras.metrics.Metric):
+            return found(name=spec)
+        if isinstance(found, keras.metrics.Metric):
+            return found.__class__.from_config({**found.get_config(), "name": spec})
+        return keras.metrics.MeanMetricWrapper(found, name=spec)
+    if isinstance(spec, type) and issubclass(spec, keras.metrics.Metric):
+        return spec()
+    if isinstance(spec, keras.metrics.Metric):
+        return spec.__class__.from_config(spec.get_config())  # a fresh one, with variables on the host
+    if callable(spec):
+        return keras.metrics.MeanMetricWrapper(spec, name=getattr(spec, "__name__", "metric"))
+    raise GpuparError(f"metrics{where}: {spec!r} is not a metric; give Keras metric names or keras.metrics.Metric "
+                      "objects")
+
+
+def _by_output(spec, keys, what):
+    """{output key: its spec}: one spec for every output, or a dict or list matching the outputs."""
+    if isinstance(spec, dict) and not isinstance(spec, str):
+        unknown = set(spec) - set(keys)
+        if unknown:
+            raise GpuparError(f"{what} names output(s) {sorted(unknown)} that the model does not have (its outputs: "
+                              f"{keys})")
+        return dict(spec)
+    if what == "loss" and isinstance(spec, (list, tuple)) and len(keys) > 1:
+        if len(spec) != len(keys):
+            raise GpuparError(f"loss is a list of {len(spec)} but the model has {len(keys)} outputs")
+        return dict(zip(keys, spec))
+    return {key: spec for key in keys}
+
+
+class Objective:
+    """The loss and the metrics of a run, built for the model's outputs from one sample batch.
+
+    Attributes:
+      losses: One LossTerm per output with a loss.
+      metrics: One MetricTerm per output and metric.
+    """
+
+    def __init__(self, loss, metrics, sample_y, sample_y_pred):
+        keys = _output_keys(sample_y_pred)
+        losses = _by_output(loss, keys, "loss")
+        self.losses = [_loss_term(spec, key, f"[{key!r}]" if key is not None else "")
+                       for key, spec in losses.items() if spec is not None]
+        if not self.losses:
+            raise GpuparError("loss is None for every output; give a loss for at least one")
+        self.metrics: List[MetricTerm] = []
+        for key, specs in _by_output(metrics or (), keys, "metrics").items():
+            for spec in ([specs] if isinstance(specs, (str, keras.metrics.Metric)) or callable(specs) else specs):
+                where = f"[{key!r}]" if key is not None else ""
+                metric = _metric(spec, _part(sample_y, key), _part(sample_y_pred, key), where)
+                name = metric.name if key is None else f"{key}_{metric.name}"
+                self.metrics.append(MetricTerm(key, metric, name))
+        names = [m.name for m in self.metrics]
+        if len(set(names)) != len(names) or "loss" in names:
+            raise GpuparError(f"metrics: two metrics would log under the same name ({', '.join(names)}); give them "
+                              "names of their own (name=...)")
+
+    @property
+    def names(self) -> List[str]:
+        """The metrics' log names, in order."""
+        return [m.name for m in self.metrics]
+
+    def zero_states(self) -> list:
+        """Zeros shaped like every metric's variables, flattened in order."""
+        return [np.zeros(v.shape, np.float32) for m in self.metrics for v in m.metric.variables]
+
+    def terms(self, y, y_pred, sample_weight):
+        """(weighted sums, local denominators) of this replica's share: one of each per loss, as tensors."""
+        numerators, denominators = [], []
+        context = tf.distribute.get_replica_context()
+        replicas = context.num_replicas_in_sync if context is not None else 1
+        for term in self.losses:
+            values = tf.cast(term.fn(_part(y, term.key), tf.cast(_part(y_pred, term.key), tf.float32)), tf.float32)
+            if values.shape.rank == 0:
+                raise GpuparError(f"the loss {term.name!r} returns one scalar for the batch; it must return one value "
+                                  "per example (gpupar averages them over the global batch)")
+            weight = _part(sample_weight, term.key) if isinstance(sample_weight, dict) else sample_weight
+            count = tf.cast(tf.size(values), tf.float32)
+            if weight is not None:
+                weight = tf.cast(weight, tf.float32)
+                while weight.shape.rank < values.shape.rank:
+                    weight = weight[..., tf.newaxis]
+                while weight.shape.rank > values.shape.rank:
+                    weight = tf.squeeze(weight, -1)
+                weighted = values * weight
+            else:
+                weighted = values
+            numerators.append(tf.reduce_sum(weighted))
+            if term.reduction == "mean_with_sample_weight" and weight is not None:
+                denominators.append(tf.reduce_sum(weight))
+            elif term.reduction == "sum":
+                denominators.append(tf.constant(1.0 / replicas))  # one per global batch
+            else:
+                denominators.append(count)
+        return tf.stack(numerators), tf.stack(denominators)
+
+    def replica_loss(self, y, y_pred, sample_weight):
+        """This replica's share of the loss of the global batch: the replicas' shares sum to it."""
+        numerators, denominators = self.terms(y, y_pred, sample_weight)
+        context = tf.distribute.get_replica_context()
+        total = context.all_reduce(SUM, denominators) if context is not None else denominators
+        return tf.reduce_sum(tf.math.divide_no_nan(numerators, total))
+
+    def metric_states(self, y, y_pred, sample_weight) -> list:
+        """The metrics' states for this share of the batch alone, flattened (they add up over shares)."""
+        states = []
+        for term in self.metrics:
+            weight = _part(sample_weight, term.key) if isinstance(sample_weight, dict) else sample_weight
+            zeros = [tf.zeros(v.shape, v.dtype) for v in term.metric.variables]
+            updated = term.metric.stateless_update_state(zeros, _part(y, term.key), _part(y_pred, term.key),
+                                                         sample_weight=weight)
+            states += [tf.cast(s, tf.float32) for s in updated]
+        return states
+
+    def results(self, states) -> dict:
+        """{log name: value} of the metrics whose summed states are `states` (host arrays)."""
+        logs, i = {}, 0
+        for term in self.metrics:
+            variables = term.metric.variables
+            for variable, value in zip(variables, states[i:i + len(variables)]):
+                variable.assign(np.asarray(value, dtype=variable.dtype))
+            i += len(variables)
+            logs[term.name] = float(term.metric.result())
+        return logs
+
+    def check_additive(self, y, y_pred, sample_weight):
+        """Refuses a metric whose state on a batch is not the sum of its states on the batch's halves."""
+        size = len(tf.nest.flatten(y)[0])
+        if size < 2 or not self.metrics:
+            return
+        half = size // 2
+
+        def piece(structure, part):
+            return tf.nest.map_structure(lambda a: a[part], structure) if structure is not None else None
+
+        whole = self.results([np.asarray(s) for s in self.metric_states(y, y_pred, sample_weight)])
+        halves = [self.metric_states(piece(y, p), piece(y_pred, p), piece(sample_weight, p))
+                  for p in (slice(None, half), slice(half, None))]
+        added = self.results([np.asarray(a) + np.asarray(b) for a, b in zip(*halves)])
+        for name in whole:
+            if not np.isclose(whole[name], added[name], rtol=1e-4, atol=1e-6):
+                raise GpuparError(f"metric {name!r}: its state on a batch is not the sum of its states on the batch's "
+                                  "halves, and gpupar combines replicas and steps by adding states; use a metric whose "
+                                  "variables are totals and counts")
+
+    def reset(self):
+        """Puts every metric's variables back to zero."""
+        for term in self.metrics:
+            term.metric.reset_state()
+
+
+def loss_name(loss) -> Optional[str]:
+    """The loss's Keras name where it has one (used to check labels against the outputs)."""
+    if isinstance(loss, str):
+        return loss
+    return getattr(loss, "name", None) or getattr(loss, "__name__", None)

@@ -1,0 +1,82 @@
+"""What a run trains: the model, the data, the loss and metrics, the optimizer and the callbacks.
+
+`user_task` checks what `gpupar.fit` was given, before TensorFlow starts where it can; the MNIST
+presets are Tasks too (gpupar.training.presets). The engine resolves the data after it has
+created the strategy: TensorFlow must not run before a multi-worker strategy exists.
+"""
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+from gpupar.errors import GpuparError
+
+
+@dataclasses.dataclass
+class Task:
+    """One run's model, data and objective.
+
+    Attributes:
+      build_model: build_model(stage_devices) -> keras.Model, called under the strategy's scope;
+        stage_devices is None except for a model-parallel preset.
+      sources: sources() -> (training Source, evaluation Source or None) (gpupar.data.sources).
+      loss: The loss: a Keras name, a keras.losses.Loss, a function, or one per output.
+      metrics: Keras metric names or objects, or one list per output.
+      optimizer: A Keras optimizer, rebuilt from its config under the strategy's scope; None: Adam.
+      callbacks: Keras callbacks.
+      signature: The model and its shape-defining options for checkpoints; None: read off the built model.
+      device_transform: device_transform(x, step) on each replica's inputs (the preset's augmentation), or None.
+      preset: Whether this is a gpupar model (model_parallel and parameter_server train only those yet).
+      num_stages: The model's pipeline stages (presets), for strategy=model_parallel.
+    """
+
+    build_model: Callable
+    sources: Callable
+    loss: Any = "sparse_categorical_crossentropy"
+    metrics: Any = ("accuracy",)
+    optimizer: Any = None
+    callbacks: Sequence = ()
+    signature: Optional[dict] = None
+    device_transform: Optional[Callable] = None
+    preset: bool = False
+    num_stages: int = 1
+
+
+def user_task(model_fn, train_data, eval_data, loss, metrics, optimizer, callbacks) -> Task:
+    """The Task of gpupar.fit's arguments, with the checks that need no TensorFlow done now.
+
+    Raises:
+      GpuparError: a built model instead of a function, something that is not a callable, an
+        optimizer or callback of the wrong kind.
+    """
+    import keras
+
+    from gpupar.data import sources
+
+    if isinstance(model_fn, keras.Model):
+        raise GpuparError("model_fn is a built keras.Model; pass a function that builds it, e.g. model_fn=lambda: "
+                          "keras.Sequential([...]): gpupar calls it under the strategy's scope, so that the "
+                          "strategy places its variables")
+    if not callable(model_fn):
+        raise GpuparError(f"model_fn is a {type(model_fn).__name__}; pass a function of no arguments that returns a "
+                          "keras.Model")
+    if optimizer is not None and not isinstance(optimizer, (str, keras.optimizers.Optimizer)):
+        raise GpuparError(f"optimizer is a {type(optimizer).__name__}; pass a keras.optimizers.Optimizer, a Keras "
+                          "optimizer name such as 'adam', or None for Adam(learning_rate)")
+    for callback in callbacks:
+        if not isinstance(callback, keras.callbacks.Callback):
+            raise GpuparError(f"callbacks holds a {type(callback).__name__}; give keras.callbacks.Callback objects")
+
+    def build_model(stage_devices=None):
+        model = model_fn()
+        if not isinstance(model, keras.Model):
+            raise GpuparError(f"model_fn returned a {type(model).__name__}, not a keras.Model")
+        if type(model).train_step is not keras.Model.train_step:
+            raise GpuparError(f"{type(model).__name__} has its own train_step, which gpupar does not run (it runs a "
+                              "distributed step of its own); put the computation in call() and pass the loss to fit")
+        return model
+
+    def resolved():
+        return (sources.resolve(train_data, "train_data"),
+                None if eval_data is None else sources.resolve(eval_data, "eval_data"))
+
+    return Task(build_model, resolved, loss, metrics, optimizer, tuple(callbacks))
