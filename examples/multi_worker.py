@@ -27,7 +27,7 @@ flags = [
     f"--epochs={1 if quick else 2}",
     f"--model_dir={run_dir}/model",
     f"--metrics_json={run_dir}/metrics.json",
-    *(["--steps_per_epoch=5", "--display_step=5"] if quick else []),
+    *(["--steps_per_epoch=5", "--display_step=5", "--batch_size=128"] if quick else []),
 ]
 launcher = Launcher(workers=2, ps=0, flags=flags)
 print("TF_CONFIG of worker 1:", tf_config(Cluster(launcher.jobs, "worker", 1, "TF_CONFIG")))

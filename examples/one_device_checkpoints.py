@@ -18,6 +18,7 @@ common = dict(
     dataset="fashion_mnist",
     data_dir="/usr/share/datasets/fashion-mnist",  # omit to download MNIST with TFDS
     steps_per_epoch=5 if quick else None,
+    batch_size=128 if quick else 1024,
     model_dir=f"{run_dir}/checkpoints",  # ckpt-1, ckpt-2, ...: the state after each epoch
     log_dir=f"{run_dir}/tensorboard",  # tensorboard --logdir <this>
 )

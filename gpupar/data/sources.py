@@ -92,6 +92,10 @@ class Source:
 
     def sample(self, count: int = 4):
         """The first `count` examples as a batch of NumPy arrays (as the model sees them), for the checks before training."""
+        if self.kind == ARRAYS and self.host_transform is not None:
+            examples = [self.host_transform(tf.nest.map_structure(lambda a: a[i], self.data), tf.constant(0, tf.int64),
+                                            tf.constant(i, tf.int64)) for i in range(count)]
+            return tf.nest.map_structure(lambda *parts: np.stack([np.asarray(p) for p in parts]), *examples)
         if self.kind == ARRAYS:
             batch = tf.nest.map_structure(lambda a: a[:count], self.data)
             batch = batch if self.transform is None else self.transform(*batch)
