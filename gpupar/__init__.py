@@ -10,7 +10,12 @@ option is reported before TensorFlow starts.
 
 import importlib
 import logging
+import os
 import sys
+
+# CUDA numbers GPUs "fastest first" unless told otherwise, NVML in PCI bus order; with this
+# default (set before TensorFlow starts CUDA) TensorFlow's GPU i is NVML's i-th visible GPU.
+os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
 from gpupar.config import Config
 from gpupar.errors import GpuparError

@@ -56,6 +56,8 @@ def _define_flags():
 
 _define_flags()
 flags.DEFINE_boolean("json", False, "gpupar devices / diagnose: print JSON instead of text.")
+flags.DEFINE_boolean("check", False, "gpupar devices: check that the GPUs work (NVML, memory settings, an all-reduce, "
+                     "XLA, mixed_float16 steps): PASS, FAIL with the fix, or NOT RUN.")
 flags.DEFINE_string("output", "curves.png", "gpupar plot: the PNG to write.", short_name="o")
 flags.DEFINE_integer("diagnose_steps", 30, "gpupar diagnose: timed steps in each of its three measurements.",
                      lower_bound=MIN_STEPS)
@@ -64,13 +66,16 @@ flags.DEFINE_integer("ps", 0, "gpupar launch: parameter-server tasks; more than 
                      lower_bound=0)
 flags.DEFINE_integer("restarts", 0, "gpupar launch: times to restart after a task fails (the cluster, or a "
                      "parameter-server worker alone).", lower_bound=0)
+flags.DEFINE_integer("gpus_per_worker", None, "gpupar launch: GPUs each worker gets (its CUDA_VISIBLE_DEVICES); "
+                     "empty shares the visible GPUs evenly, 0 trains on CPUs. The chief and ps tasks get none.",
+                     lower_bound=0)
 
 
 HELP = {
     None: ("gpupar [flags]", "Trains as the flags say (by default the MNIST ConvNet on every device), evaluating "
            "and saving a checkpoint after every epoch."),
-    "devices": ("gpupar devices [--json] [device flags]", "Lists the devices TensorFlow sees and the strategy and "
-                "all-reduce auto would pick, and why."),
+    "devices": ("gpupar devices [--check] [--json] [device flags]", "Lists the devices TensorFlow sees and the "
+                "strategy and all-reduce auto would pick, and why; --check runs a minute of checks of the GPU set-up."),
     "diagnose": ("gpupar diagnose [--json] [--diagnose_steps=30] [training flags]", "Measures the input pipeline "
                  "alone, the train step alone and both together under the training flags, and says which bounds "
                  "training and what to change."),
@@ -80,8 +85,8 @@ HELP = {
                "this machine: each task is `python -m gpupar` with the training flags after --, its own TF_CONFIG "
                "on 127.0.0.1 and its output prefixed with its name."),
 }
-_COMMAND_FLAGS = {"devices": ("json",), "diagnose": ("json", "diagnose_steps"), "plot": ("output",),
-                  "launch": ("workers", "ps", "restarts")}
+_COMMAND_FLAGS = {"devices": ("json", "check"), "diagnose": ("json", "diagnose_steps"), "plot": ("output",),
+                  "launch": ("workers", "ps", "restarts", "gpus_per_worker")}
 HELP_FLAGS = ("--help", "-h", "--helpshort", "-?")
 
 
@@ -154,9 +159,13 @@ def _plot(args):
 
 
 def _devices(config):
-    from gpupar.monitor import device_report
+    from gpupar.monitor import device_check, device_report
 
     try:
+        if FLAGS.check:
+            results = device_check.run_checks(config)
+            print(device_check.to_json(results) if FLAGS.json else device_check.format_checks(results), flush=True)
+            return 1 if any(c.status == device_check.FAIL for c in results) else 0
         report = device_report.collect_report(config)
     except GpuparError as e:
         return _error(e, 1)
@@ -189,7 +198,10 @@ def _launch(task_flags):
     if given:
         return _error(f"--{given[0]} is a training flag: put it after --, e.g. gpupar launch --workers=2 -- "
                       f"--{given[0]}=...", 2)
-    return launch.launch(FLAGS.workers, FLAGS.ps, FLAGS.restarts, task_flags)
+    try:
+        return launch.launch(FLAGS.workers, FLAGS.ps, FLAGS.restarts, task_flags, FLAGS.gpus_per_worker)
+    except GpuparError as e:
+        return _error(e, 2)
 
 
 def _train(config):

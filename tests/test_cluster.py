@@ -145,7 +145,7 @@ def test_launch_takes_its_own_flags_and_gives_the_rest_to_every_task(monkeypatch
     argv = cli.FLAGS(["gpupar", "launch", "--workers=3", "--ps=1", "--", "--epochs=2", "--model_dir=runs/x"])
     try:
         assert cli.main(argv) == 0
-        assert started == [(3, 1, 0, ["--epochs=2", "--model_dir=runs/x"])]
+        assert started == [(3, 1, 0, ["--epochs=2", "--model_dir=runs/x"], None)]
         cli.FLAGS.unparse_flags()
         argv = cli.FLAGS(["gpupar", "launch", "--epochs=2"])
         assert cli.main(argv) == 2 and len(started) == 1  # a training flag before --: refused, nothing started

@@ -213,7 +213,7 @@ def test_jit_compile_puts_each_replica_step_in_one_xla_computation():
 
 
 def test_jit_compile_with_several_replicas_is_refused_before_training(shared_idx_dir):
-    with pytest.raises(GpuparError, match="jit_compile needs one replica, and this run has 2"):
+    with pytest.raises(GpuparError, match="jit_compile with 2 replicas needs GPUs"):
         _fit(shared_idx_dir, strategy="mirrored", virtual_cpus=2, batch_size=16, jit_compile=True)
 
 

@@ -8,20 +8,17 @@ from gpupar.monitor import utilisation
 from gpupar.monitor.utilisation import GpuSample
 
 
-def test_decision_says_why_nothing_is_sampled():
-    assert utilisation.sampling_decision((), nvml_installed=True) == (None, "GPU utilisation: no GPU in use, nothing to sample")
-    indices, message = utilisation.sampling_decision((0, 1), nvml_installed=False)
-    assert indices is None and "pip install 'gpupar[nvml]'" in message
-    assert utilisation.sampling_decision((0, 1), nvml_installed=True)[0] == (0, 1)
-    indices, message = utilisation.sampling_decision((0,), nvml_installed=True, cuda_visible_devices="GPU-8f2a,GPU-77c1")
-    assert indices is None and "give plain indices" in message
+def test_decision_says_why_nothing_is_sampled_and_what_mig_leaves_out():
+    from gpupar.runtime.nvml import NvmlGpu
 
-
-def test_tensorflow_gpu_numbers_map_through_cuda_visible_devices():
-    assert utilisation.nvml_indices((0, 1), None) == (0, 1)
-    assert utilisation.nvml_indices((0, 1), "2,3") == (2, 3)
-    assert utilisation.nvml_indices((1,), " 5, 7 ") == (7,)
-    assert utilisation.nvml_indices((0, 2), "2,3") is None
+    cards = [NvmlGpu(2, "0000:3b:00.0"), NvmlGpu(0, "0000:17:00.0", mig=True)]
+    assert utilisation.sampling_decision(0, [], nvml_installed=True) == ([], "GPU utilisation: no GPU in use, nothing to sample")
+    gpus, message = utilisation.sampling_decision(2, cards, nvml_installed=False)
+    assert gpus == [] and "pip install 'gpupar[nvml]'" in message
+    gpus, message = utilisation.sampling_decision(3, [*cards, None], nvml_installed=True)
+    assert [g.index for g in gpus] == [2, 0] and "1 GPU(s) not matched to NVML" in message
+    assert "GPU(s) 0 in MIG mode: memory only" in message
+    assert utilisation.sampling_decision(1, [None], nvml_installed=True)[0] == []
 
 
 def test_summaries_per_gpu():
@@ -63,7 +60,9 @@ class _FakeNvml:
 
 def test_sampler_reads_each_gpu_and_skips_failed_readings():
     nvml = _FakeNvml()
-    sampler = utilisation.GpuSampler(nvml, (0, 1), interval=0.01)
+    from gpupar.runtime.nvml import NvmlGpu
+
+    sampler = utilisation.GpuSampler(nvml, (NvmlGpu(0, "0000:17:00.0"), NvmlGpu(1, "0000:3b:00.0")), interval=0.01)
     time.sleep(0.2)
     summaries = sampler.take()
     sampler.stop()

@@ -139,15 +139,42 @@ class XlaBatchNormalization(keras.layers.BatchNormalization):
     With few channels (the ConvNet's 6 and 12) TensorFlow's per-channel reductions and the
     element-wise passes around them are most of a CPU step; XLA fuses them, about twice as fast
     forward and backward. Same variables (checkpoints move between the two), same results up to
-    float rounding. Synchronized statistics (an all-reduce mid-way) and inference take Keras' path.
+    float rounding. Synchronized statistics (an all-reduce mid-way) and inference take Keras' path,
+    and so does everything once `use_xla` is False (where XLA cannot compile: xla_batch_norm_error).
     """
+
+    use_xla = True
 
     def call(self, inputs, training=None, mask=None):
         plain = self.scale and self.center and not (self.synchronized or self.renorm) and mask is None
-        if not (training and self.trainable and plain and self.axis in (-1, len(inputs.shape) - 1)):
+        if not (self.use_xla and training and self.trainable and plain and self.axis in (-1, len(inputs.shape) - 1)):
             return super().call(inputs, training=training, mask=mask)
         outputs, mean, variance = _normalise_batch(
             inputs, tf.convert_to_tensor(self.gamma), tf.convert_to_tensor(self.beta), self.epsilon)
         self.moving_mean.assign(self.moving_mean * self.momentum + mean * (1.0 - self.momentum))
         self.moving_variance.assign(self.moving_variance * self.momentum + variance * (1.0 - self.momentum))
         return tf.cast(outputs, self.compute_dtype)
+
+
+def xla_batch_norm_error(device: str):
+    """Why XLA cannot compile the batch norm on `device` (CUDA's ptxas or libdevice missing), or None."""
+    try:
+        with tf.device(device):
+            _normalise_batch(tf.zeros([2, 4]), tf.ones([4]), tf.zeros([4]), 1e-3)
+    except (tf.errors.OpError, RuntimeError) as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return None
+
+
+def fall_back_from_xla(model, error) -> bool:
+    """Sends the model's XlaBatchNormalization layers down Keras' path when XLA failed (error not None).
+
+    Returns whether any layer changed.
+    """
+    layers = [layer for layer in model._flatten_layers() if isinstance(layer, XlaBatchNormalization)]
+    if error is None or not layers:
+        return False
+    for layer in layers:
+        layer.use_xla = False
+    return True
+

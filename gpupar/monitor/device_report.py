@@ -79,7 +79,7 @@ def collect_report(config) -> dict:
     import keras
     import tensorflow as tf
 
-    from gpupar.runtime.devices import configure_devices, gpu_memory_mb
+    from gpupar.runtime.devices import configure_devices, gpu_memory
     from gpupar.runtime.strategy import detected_plan
 
     device_plan = configure_devices(config)
@@ -89,7 +89,7 @@ def collect_report(config) -> dict:
     logical = [(d.name, d.device_type) for d in tf.config.list_logical_devices()]
     plan = detected_plan("auto", config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1)
     versions = {"tensorflow": tf.__version__, "keras": keras.__version__, "built_with_cuda": tf.test.is_built_with_cuda()}
-    return build_report(physical, logical, details, gpu_memory_mb(len(gpus)), device_plan.visible_gpus, plan,
+    return build_report(physical, logical, details, gpu_memory(len(gpus))[0], device_plan.visible_gpus, plan,
                         versions, device_plan.ignored)
 
 

@@ -6,10 +6,12 @@ in the log next to the input-wait monitor's. NVML comes from the optional nvidia
 """
 
 import dataclasses
-import os
+import math
 import statistics
 import threading
 from typing import Optional, Sequence
+
+from gpupar.runtime.nvml import NvmlGpu, installed_nvml, match_by_bus_id, read_gpus, tf_bus_ids
 
 INTERVAL_SECONDS = 0.5
 
@@ -26,19 +28,20 @@ class GpuSample:
 
 @dataclasses.dataclass(frozen=True)
 class GpuSummary:
-    """One GPU over an epoch: mean and lowest GPU-Util, highest memory in use."""
+    """One GPU over an epoch: mean and lowest GPU-Util (None for a MIG card), highest memory in use."""
 
     gpu: int
-    mean_util_percent: float
-    min_util_percent: float
+    mean_util_percent: Optional[float]
+    min_util_percent: Optional[float]
     max_memory_used_mb: float
     memory_total_mb: float
     samples: int
 
     def describe(self) -> str:
-        return (f"gpu{self.gpu}: GPU-Util {self.mean_util_percent:.0f}% mean (lowest {self.min_util_percent:.0f}%), "
-                f"memory {self.max_memory_used_mb:,.0f} / {self.memory_total_mb:,.0f} MiB at most, "
-                f"{self.samples} samples")
+        util = ("GPU-Util not reported (MIG)" if self.mean_util_percent is None else
+                f"GPU-Util {self.mean_util_percent:.0f}% mean (lowest {self.min_util_percent:.0f}%)")
+        return (f"gpu{self.gpu}: {util}, memory {self.max_memory_used_mb:,.0f} / {self.memory_total_mb:,.0f} MiB at "
+                f"most, {self.samples} samples")
 
 
 def summarise(samples: Sequence[GpuSample]) -> list:
@@ -46,49 +49,47 @@ def summarise(samples: Sequence[GpuSample]) -> list:
     by_gpu = {}
     for sample in samples:
         by_gpu.setdefault(sample.gpu, []).append(sample)
-    return [
-        GpuSummary(gpu, statistics.fmean(s.util_percent for s in group), min(s.util_percent for s in group),
-                   max(s.memory_used_mb for s in group), group[0].memory_total_mb, len(group))
-        for gpu, group in sorted(by_gpu.items())
-    ]
+    summaries = []
+    for gpu, group in sorted(by_gpu.items()):
+        utils = [s.util_percent for s in group if not math.isnan(s.util_percent)]  # NaN: a MIG card's
+        summaries.append(GpuSummary(gpu, statistics.fmean(utils) if utils else None, min(utils) if utils else None,
+                                    max(s.memory_used_mb for s in group), group[0].memory_total_mb, len(group)))
+    return summaries
 
 
-def nvml_indices(visible_gpus: Sequence[int], cuda_visible_devices: Optional[str]):
-    """NVML's indices of the GPUs TensorFlow numbers visible_gpus, or None when they cannot be told.
+def sampling_decision(in_use: int, matched: Sequence[Optional[NvmlGpu]], nvml_installed: bool):
+    """(NVML devices to sample, message): the GPUs in use that NVML can be matched to, and what is left out.
 
-    TensorFlow counts the GPUs that CUDA_VISIBLE_DEVICES leaves, NVML counts them all; entries
-    that are not plain indices (GPU UUIDs, MIG names) cannot be mapped here.
+    `in_use` is how many GPUs training uses; `matched`, the NVML device of each (by PCI bus id,
+    gpupar.runtime.nvml), None where none matched. A MIG card is sampled for memory only: NVML
+    reports no utilisation for its instances.
     """
-    if cuda_visible_devices is None:
-        return tuple(visible_gpus)
-    entries = [e.strip() for e in cuda_visible_devices.split(",") if e.strip()]
-    if not all(e.isdigit() for e in entries) or any(i >= len(entries) for i in visible_gpus):
-        return None
-    return tuple(int(entries[i]) for i in visible_gpus)
-
-
-def sampling_decision(visible_gpus: Sequence[int], nvml_installed: bool, cuda_visible_devices: Optional[str] = None):
-    """(NVML indices to sample or None, message): sample the GPUs in use when NVML can see them."""
-    if not visible_gpus:
-        return None, "GPU utilisation: no GPU in use, nothing to sample"
+    if not in_use:
+        return [], "GPU utilisation: no GPU in use, nothing to sample"
     if not nvml_installed:
-        return None, ("GPU utilisation: not sampled; install nvidia-ml-py (pip install 'gpupar[nvml]') to log "
-                      "GPU-Util and memory per epoch")
-    indices = nvml_indices(visible_gpus, cuda_visible_devices)
-    if indices is None:
-        return None, (f"GPU utilisation: not sampled; CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} does not map "
-                      "TensorFlow's GPUs to NVML indices (give plain indices)")
-    return indices, f"GPU utilisation: sampling NVML GPU(s) {', '.join(map(str, indices))} every {INTERVAL_SECONDS} s"
+        return [], ("GPU utilisation: not sampled; install nvidia-ml-py (pip install 'gpupar[nvml]') to log "
+                    "GPU-Util and memory per epoch")
+    found = [gpu for gpu in matched if gpu is not None]
+    if not found:
+        return [], "GPU utilisation: not sampled; NVML shows no GPU at the PCI bus ids of TensorFlow's GPUs"
+    notes = [f"NVML GPU(s) {', '.join(str(g.index) for g in found)} every {INTERVAL_SECONDS} s"]
+    if len(found) < in_use:
+        notes.append(f"{in_use - len(found)} GPU(s) not matched to NVML")
+    mig = [str(g.index) for g in found if g.mig]
+    if mig:
+        notes.append(f"GPU(s) {', '.join(mig)} in MIG mode: memory only, NVML reports no GPU-Util for MIG instances")
+    return found, "GPU utilisation: sampling " + "; ".join(notes)
 
 
 class GpuSampler:
     """A background thread reading GPU-Util and memory of some GPUs through NVML."""
 
-    def __init__(self, nvml, gpus: Sequence[int], interval: float = INTERVAL_SECONDS):
+    def __init__(self, nvml, gpus: Sequence[NvmlGpu], interval: float = INTERVAL_SECONDS):
         self.nvml, self.interval = nvml, interval
+        self.mig = {gpu.index for gpu in gpus if gpu.mig}
         nvml.nvmlInit()
         try:
-            self.handles = [(gpu, nvml.nvmlDeviceGetHandleByIndex(gpu)) for gpu in gpus]
+            self.handles = [(gpu.index, nvml.nvmlDeviceGetHandleByIndex(gpu.index)) for gpu in gpus]
         except nvml.NVMLError:
             nvml.nvmlShutdown()
             raise
@@ -101,7 +102,7 @@ class GpuSampler:
             readings = []
             for gpu, handle in self.handles:
                 try:
-                    util = self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu
+                    util = float("nan") if gpu in self.mig else self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu
                     memory = self.nvml.nvmlDeviceGetMemoryInfo(handle)
                 except self.nvml.NVMLError:
                     continue  # a reading that fails (e.g. a GPU lost) is skipped, not fatal
@@ -123,17 +124,15 @@ class GpuSampler:
 
 
 def start_sampler(visible_gpus: Sequence[int], log) -> Optional[GpuSampler]:
-    """A running sampler of the visible GPUs, or None (with the reason logged) where none can run."""
-    try:
-        import pynvml
-    except ImportError:
-        pynvml = None
-    indices, message = sampling_decision(visible_gpus, pynvml is not None, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    """A running sampler of the GPUs in use, or None (with the reason logged) where none can run."""
+    pynvml = installed_nvml()
+    matched = match_by_bus_id(tf_bus_ids(), read_gpus(pynvml)) if visible_gpus and pynvml else []
+    gpus, message = sampling_decision(len(visible_gpus), matched, pynvml is not None)
     log.info(message)
-    if indices is None:
+    if not gpus:
         return None
     try:
-        return GpuSampler(pynvml, indices)
+        return GpuSampler(pynvml, gpus)
     except pynvml.NVMLError as e:
         log.info("GPU utilisation: NVML failed (%s); not sampled", e)
         return None

@@ -7,9 +7,10 @@
 import dataclasses
 import logging
 import os
-from typing import Optional, Sequence, Tuple
+from typing import Mapping, Optional, Sequence, Tuple
 
 from gpupar.errors import GpuparError
+from gpupar.runtime.nvml import installed_nvml, match_visible, read_gpus
 
 log = logging.getLogger("gpupar")
 
@@ -27,7 +28,8 @@ class DevicePlan:
       log_placement: Value for tf.debugging.set_log_device_placement.
       intra_op_threads: Threads one op may use (0: TensorFlow's default, the number of cores).
       inter_op_threads: Ops that may run at once (0: TensorFlow's default, the number of cores).
-      ignored: One message per requested setting that has no effect here, and why.
+      ignored: One message per requested setting that has no effect here (or less than asked), and why.
+      environment: Variables to set before TensorFlow makes its devices (TF_FORCE_GPU_ALLOW_GROWTH).
     """
 
     visible_gpus: Tuple[int, ...]
@@ -39,6 +41,7 @@ class DevicePlan:
     intra_op_threads: int = 0
     inter_op_threads: int = 0
     ignored: Tuple[str, ...] = ()
+    environment: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def plan_devices(
@@ -51,6 +54,7 @@ def plan_devices(
     soft_placement: bool = True,
     log_placement: bool = False,
     gpu_memory_mb: Optional[Sequence[Optional[int]]] = None,
+    gpu_free_mb: Optional[Sequence[Optional[int]]] = None,
     cores: int = 1,
     intra_op_threads: Optional[int] = None,
     inter_op_threads: Optional[int] = None,
@@ -64,6 +68,7 @@ def plan_devices(
       virtual_cpus: Logical CPU devices to make, or None.
       soft_placement, log_placement: As the Config fields say.
       gpu_memory_mb: Each physical GPU's total memory (None where unknown); only memory_fraction needs it.
+      gpu_free_mb: Each physical GPU's memory not in use (None where unknown): a fraction is capped at it.
       cores: CPU cores this process may use.
       intra_op_threads, inter_op_threads: Thread counts; None lets plan_threads choose.
 
@@ -99,12 +104,15 @@ def plan_devices(
     if memory_limit_mb is not None:
         limits = tuple(memory_limit_mb for _ in visible)
     elif memory_fraction is not None:
-        limits = tuple(_fraction_limit(i, memory_fraction, gpu_memory_mb) for i in visible)
+        limits = tuple(_fraction_limit(i, memory_fraction, gpu_memory_mb, gpu_free_mb, ignored) for i in visible)
     if limits is not None and memory_growth:
         ignored.append("memory_growth ignored: a memory limit is set, and TensorFlow allows only one")
         memory_growth = False
+    # Once any logical device configuration exists (the virtual CPUs), TensorFlow ignores
+    # set_memory_growth, while get_memory_growth() still says True; this variable holds either way.
+    environment = {"TF_FORCE_GPU_ALLOW_GROWTH": "true"} if memory_growth else {}
     return DevicePlan(visible, memory_growth, limits, virtual_cpus, soft_placement, log_placement, intra, inter,
-                      tuple(ignored))
+                      tuple(ignored), environment)
 
 
 def plan_threads(cores: int, num_gpus: int, virtual_cpus: Optional[int], intra: Optional[int] = None,
@@ -124,41 +132,34 @@ def plan_threads(cores: int, num_gpus: int, virtual_cpus: Optional[int], intra: 
     return (chosen_intra if intra is None else intra), (chosen_inter if inter is None else inter)
 
 
-def _fraction_limit(index, fraction, gpu_memory_mb):
+def _fraction_limit(index, fraction, gpu_memory_mb, gpu_free_mb, notes):
     total = None if gpu_memory_mb is None or index >= len(gpu_memory_mb) else gpu_memory_mb[index]
     if total is None:
         raise GpuparError(
             f"memory_fraction needs the total memory of GPU {index}, which could not be read; "
-            "install nvidia-ml-py (pip install 'gpupar[nvml]') or use memory_limit_mb instead"
+            "install nvidia-ml-py (pip install 'gpupar[nvml]'), set CUDA_DEVICE_ORDER=PCI_BUS_ID if you changed it, "
+            "or use memory_limit_mb instead"
         )
-    return max(1, int(total * fraction))
+    limit = max(1, int(total * fraction))
+    free = None if gpu_free_mb is None or index >= len(gpu_free_mb) else gpu_free_mb[index]
+    if free is not None and limit > free:
+        notes.append(f"memory_fraction={fraction} of GPU {index} is {limit:,} MiB, more than the {free:,} MiB free "
+                     f"(other processes use the rest): capped at {free:,} MiB")
+        limit = max(1, free)
+    return limit
 
 
-def gpu_memory_mb(num_gpus: int) -> Tuple[Optional[int], ...]:
-    """Each GPU's total memory in MiB from NVML, None where NVML cannot tell.
+def gpu_memory(num_gpus: int, environ=None) -> Tuple[Tuple[Optional[int], ...], Tuple[Optional[int], ...]]:
+    """(total, free) MiB of each of TensorFlow's physical GPUs, from NVML, None where it cannot tell.
 
-    NVML numbers GPUs in PCI bus order; TensorFlow follows CUDA's order, which matches it when
-    CUDA_DEVICE_ORDER=PCI_BUS_ID.
+    TensorFlow's GPUs are matched to NVML's through CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER
+    (gpupar.runtime.nvml.match_visible): TensorFlow has not started its devices yet.
     """
-    try:
-        import pynvml
-    except ImportError:
-        return tuple(None for _ in range(num_gpus))
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return tuple(None for _ in range(num_gpus))
-    try:
-        totals = []
-        for i in range(num_gpus):
-            try:
-                info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))
-                totals.append(int(info.total) // (1024 * 1024))
-            except pynvml.NVMLError:
-                totals.append(None)
-        return tuple(totals)
-    finally:
-        pynvml.nvmlShutdown()
+    environ = os.environ if environ is None else environ
+    nvml_module = installed_nvml()
+    gpus = read_gpus(nvml_module) if nvml_module else []
+    matched = match_visible(num_gpus, gpus, environ.get("CUDA_VISIBLE_DEVICES"), environ.get("CUDA_DEVICE_ORDER"))
+    return tuple(g.total_mb if g else None for g in matched), tuple(g.free_mb if g else None for g in matched)
 
 
 def configure_devices(config) -> DevicePlan:
@@ -179,7 +180,7 @@ def configure_devices(config) -> DevicePlan:
     import tensorflow as tf
 
     physical_gpus = tf.config.list_physical_devices("GPU")
-    totals = gpu_memory_mb(len(physical_gpus)) if config.memory_fraction is not None else None
+    totals, free = gpu_memory(len(physical_gpus)) if config.memory_fraction is not None else (None, None)
     plan = plan_devices(
         len(physical_gpus),
         gpus=config.gpus,
@@ -190,12 +191,14 @@ def configure_devices(config) -> DevicePlan:
         soft_placement=config.soft_placement,
         log_placement=config.log_placement,
         gpu_memory_mb=totals,
+        gpu_free_mb=free,
         cores=len(os.sched_getaffinity(0)),
         intra_op_threads=config.intra_op_threads,
         inter_op_threads=config.inter_op_threads,
     )
     for message in plan.ignored:
         log.info(message)
+    os.environ.update(plan.environment)  # read when TensorFlow makes its GPU devices, after this
     tf.config.set_soft_device_placement(plan.soft_placement)
     tf.debugging.set_log_device_placement(plan.log_placement)
     _apply_threads(tf, plan)

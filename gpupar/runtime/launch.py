@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Dict, List, Optional
 
+from gpupar.errors import GpuparError
 from gpupar.runtime.cluster import Cluster, tf_config
 
 GRACE_SECONDS = 30.0
@@ -49,6 +50,49 @@ def loopback_cluster(workers: int, ps: int) -> Dict[str, List[str]]:
     return {job: [f"127.0.0.1:{next(ports)}" for _ in range(n)] for job, n in sizes.items()}
 
 
+def visible_gpus(environ, nvidia_smi_lines: Optional[List[str]]) -> List[str]:
+    """The GPUs the launcher may hand out: CUDA_VISIBLE_DEVICES' entries where it is set, else nvidia-smi -L's."""
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return [e.strip() for e in environ["CUDA_VISIBLE_DEVICES"].split(",") if e.strip()]
+    return [str(i) for i, line in enumerate(line for line in nvidia_smi_lines or () if line.startswith("GPU "))]
+
+
+def assign_gpus(jobs: Dict[str, List[str]], gpus: List[str], per_worker: Optional[int] = None) -> Dict[str, List[str]]:
+    """{task name: its GPUs}: the workers share the GPUs evenly, the chief and ps tasks get none.
+
+    Two NCCL ranks on one GPU are unsupported and may hang ("Duplicate GPU detected"), so no GPU
+    goes to two tasks. `per_worker` overrides the even split (0: every task on CPUs).
+
+    Raises:
+      GpuparError: more workers than GPUs, or per_worker GPUs more than there are.
+    """
+    workers = len(jobs.get("worker", ()))
+    if per_worker is None:
+        per_worker = len(gpus) // workers if gpus else 0
+        if gpus and per_worker == 0:
+            raise GpuparError(f"{workers} workers but {len(gpus)} GPU(s): a GPU cannot serve two workers (NCCL "
+                              "refuses duplicate GPUs); use --workers at most the GPUs, or --gpus_per_worker=0 to "
+                              "train on CPUs")
+    if per_worker * workers > len(gpus):
+        raise GpuparError(f"--gpus_per_worker={per_worker} for {workers} workers needs {per_worker * workers} GPUs, "
+                          f"but {len(gpus)} are visible ({','.join(gpus) or 'none'})")
+    assigned = {}
+    for job, addresses in jobs.items():
+        for index in range(len(addresses)):
+            start = index * per_worker
+            assigned[f"{job}:{index}"] = gpus[start:start + per_worker] if job == "worker" else []
+    return assigned
+
+
+def _nvidia_smi() -> List[str]:
+    """nvidia-smi -L's lines, or [] where there is no NVIDIA driver."""
+    try:
+        done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return done.stdout.splitlines() if done.returncode == 0 else []
+
+
 @dataclasses.dataclass
 class Task:
     """One started process and its place in the cluster."""
@@ -70,8 +114,11 @@ def _stream(prefix: str, pipe, out, lock):
 class Launcher:
     """Starts, watches and stops the tasks of one loopback cluster."""
 
-    def __init__(self, workers: int, ps: int, flags: List[str], restarts: int = 0, out=None):
+    def __init__(self, workers: int, ps: int, flags: List[str], restarts: int = 0, out=None,
+                 gpus_per_worker: Optional[int] = None):
         self.jobs = loopback_cluster(workers, ps)
+        self.gpus = visible_gpus(os.environ, _nvidia_smi())
+        self.assigned = assign_gpus(self.jobs, self.gpus, gpus_per_worker)
         self.flags, self.restarts = list(flags), restarts
         self.out = out or sys.stdout
         self.lock = threading.Lock()
@@ -86,6 +133,9 @@ class Launcher:
     def start(self, job: str, index: int, flags: List[str]):
         cluster = Cluster({j: tuple(a) for j, a in self.jobs.items()}, job, index, "TF_CONFIG")
         env = dict(os.environ, TF_CONFIG=tf_config(cluster), PYTHONUNBUFFERED="1")
+        gpus = self.assigned[cluster.task_name]
+        if self.gpus:  # "" hides every GPU from a task that gets none
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         process = subprocess.Popen(
             [sys.executable, "-m", "gpupar", *flags], env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,  # own process group
@@ -94,7 +144,8 @@ class Launcher:
                                   daemon=True)
         reader.start()
         self.tasks[cluster.task_name] = Task(cluster.task_name, cluster, process, reader)
-        self.say(f"started {cluster.task_name} (pid {process.pid}) on {self.jobs[job][index]}")
+        where = f"GPU(s) {','.join(gpus)}" if gpus else "no GPU" if self.gpus else "CPU"
+        self.say(f"started {cluster.task_name} (pid {process.pid}) on {self.jobs[job][index]}, {where}")
 
     def start_all(self, flags: List[str]):
         for job in ("ps", "worker", "chief"):
@@ -216,12 +267,18 @@ def with_resume(flags: List[str]) -> List[str]:
     return [*flags, "--resume"]
 
 
-def launch(workers: int, ps: int, restarts: int, flags: List[str]) -> int:
+def launch(workers: int, ps: int, restarts: int, flags: List[str], gpus_per_worker: Optional[int] = None) -> int:
     """Runs `python -m gpupar FLAGS` as a loopback cluster of `workers` workers and `ps` ps tasks.
 
-    Returns the exit status: that of the failing task, if any, or 128 + the signal that stopped it.
+    Each worker gets its own GPUs (assign_gpus); the chief and ps tasks none.
+
+    Returns:
+      The exit status: that of the failing task, if any, or 128 + the signal that stopped it.
+
+    Raises:
+      GpuparError: GPUs that cannot be shared out (before any task starts).
     """
-    launcher = Launcher(workers, ps, flags, restarts)
+    launcher = Launcher(workers, ps, flags, restarts, gpus_per_worker=gpus_per_worker)
 
     def on_signal(signum, _frame):
         if launcher.stopping is not None:  # a second Ctrl-C: no more waiting

@@ -218,6 +218,11 @@ def _plan_cluster(kind, gpus, cross_device_ops, platform, cluster, devices):
             )
         if cross_device_ops != "auto":
             raise GpuparError(f"cross_device_ops={cross_device_ops} is an all-reduce; parameter_server has none (use auto)")
+        if len(gpus) > 1:
+            raise GpuparError(
+                f"strategy=parameter_server with {len(gpus)} GPUs per task: gpupar's worker step runs one replica "
+                "per worker; give each worker one GPU (gpupar launch --gpus_per_worker=1, or gpus=0), with more "
+                "workers for more GPUs")
         return Plan("parameter_server", local, None, None, reason, cluster)
     if cluster.num_ps:
         raise GpuparError(f"strategy=multi_worker_mirrored has no parameter servers, but the {where}; "
@@ -237,24 +242,39 @@ def _plan_cluster(kind, gpus, cross_device_ops, platform, cluster, devices):
 
 def _choose_all_reduce(requested, devices, platform):
     all_gpu = all(d.startswith("/gpu:") for d in devices)
+    # TensorFlow's hierarchical copy sums the halves [0:n//2] and [n//2:2*(n//2)] ("only works for
+    # DGX-1"): with an odd count the last replica's gradient is left out.
+    odd = len(devices) % 2 == 1
     if requested == "auto":
         if not all_gpu:
             return "reduction_to_one_device"
-        # TensorFlow's Linux GPU builds ship NCCL; elsewhere hierarchical copy is the safe choice.
-        return "nccl" if platform.startswith("linux") else "hierarchical_copy"
+        # TensorFlow's Linux GPU builds ship NCCL; elsewhere hierarchical copy, but not for an odd count.
+        if platform.startswith("linux"):
+            return "nccl"
+        return "reduction_to_one_device" if odd else "hierarchical_copy"
     if requested in ("nccl", "hierarchical_copy") and not all_gpu:
         raise GpuparError(
             f"cross_device_ops={requested} all-reduces between GPUs, but the devices are "
             f"{', '.join(devices)}; use reduction_to_one_device (or auto) on CPUs"
         )
+    if requested == "hierarchical_copy" and odd:
+        raise GpuparError(
+            f"cross_device_ops=hierarchical_copy with {len(devices)} GPUs would drop one replica's gradients "
+            "(TensorFlow's implementation sums two equal halves); use nccl or reduction_to_one_device, or an "
+            "even number of GPUs"
+        )
     return requested
 
 
 def check_jit_compile(jit_compile: bool, plan: Plan):
-    """Refuses jit_compile where tf.distribute cannot compile the step: more than one replica."""
-    if jit_compile and plan.num_replicas > 1:
-        raise GpuparError(f"jit_compile needs one replica, and this run has {plan.num_replicas} (XLA cannot compile "
-                          "tf.distribute's all-reduce and cross-replica updates); drop jit_compile or use one device")
+    """Refuses jit_compile where tf.distribute cannot compile the step: several replicas on CPUs.
+
+    Between GPUs a MirroredStrategy replica's step compiles with its NCCL all-reduce; on CPU
+    devices XLA has no cross-replica collectives.
+    """
+    if jit_compile and plan.num_replicas > 1 and not all(d.startswith("/gpu:") for d in plan.devices):
+        raise GpuparError(f"jit_compile with {plan.num_replicas} replicas needs GPUs (XLA cannot compile tf.distribute's "
+                          "all-reduce between CPU devices); drop jit_compile or use one device")
 
 
 def build_strategy(plan: Plan):

@@ -50,20 +50,25 @@ class Checkpoints:
     previous checkpoint readable. A checkpoint stores one copy of each variable, so one written
     with N replicas restores into any other replica count. It also names the model that wrote it
     (`signature`: the model and its shape-defining options), so that restoring into another model
-    says which one the checkpoint needs. With save=False it only restores.
+    says which one the checkpoint needs. With save=False it only restores. A loss-scale
+    optimizer's scale and its count of good steps (mixed_float16) go in too: a resumed run starts
+    from the scale it had reached, not from 2^15 again with overflowing first steps.
     """
 
     def __init__(self, model_dir: Optional[str], model, optimizer, max_to_keep: Optional[int] = None,
-                 global_batch: int = 0, signature: Optional[Mapping] = None, save: bool = True):
+                 global_batch: int = 0, signature: Optional[Mapping] = None, save: bool = True,
+                 loss_scale_optimizer=None):
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step_in_epoch")
         self.global_batch = tf.Variable(global_batch, dtype=tf.int64, trainable=False, name="global_batch")
         self.totals = tf.Variable("{}", dtype=tf.string, trainable=False, name="epoch_totals")
         self.signature = dict(signature or {})
+        self.scaled = loss_scale_optimizer
+        self.loss_scale = tf.Variable([0.0, 0.0], dtype=tf.float32, trainable=False, name="loss_scale")
         self.run_global_batch = global_batch
         self.checkpoint = tf.train.Checkpoint(
             model=model, optimizer=optimizer, epoch=self.epoch, step=self.step, global_batch=self.global_batch,
-            epoch_totals=self.totals,
+            epoch_totals=self.totals, loss_scale=self.loss_scale,
             model_signature=tf.Variable(json.dumps(self.signature, sort_keys=True), dtype=tf.string, trainable=False),
         )
         self.model_dir, self.saving = model_dir, save
@@ -133,6 +138,10 @@ class Checkpoints:
             self.checkpoint.restore(path).assert_existing_objects_matched()
         except (AssertionError, IndexError, ValueError, tf.errors.OpError) as e:
             raise self._unreadable(path, e) from None
+        scale, good_steps = (float(v) for v in self.loss_scale.numpy())
+        if self.scaled is not None and scale > 0:
+            self.scaled.dynamic_scale.assign(scale)
+            self.scaled.step_counter.assign(int(good_steps))
         totals = json.loads(self.totals.numpy().decode() or "{}")
         position = Position(int(self.epoch.numpy()), int(self.step.numpy()), int(self.global_batch.numpy()), totals)
         self.latest = path
@@ -146,6 +155,8 @@ class Checkpoints:
         self.step.assign(position.step)
         self.global_batch.assign(self.run_global_batch)
         self.totals.assign(json.dumps(dict(position.totals)))
+        if self.scaled is not None:
+            self.loss_scale.assign([float(self.scaled.dynamic_scale.numpy()), float(self.scaled.step_counter.numpy())])
         try:
             self.latest = manager.save(checkpoint_number=number)
         except (OSError, tf.errors.OpError) as e:

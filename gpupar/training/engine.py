@@ -19,7 +19,7 @@ import tensorflow as tf
 from gpupar.config import PARAMETER_SERVERS, PIPELINE, SYNCHRONOUS, run_mode
 from gpupar.data.sources import ARRAYS, DATASET_FN
 from gpupar.errors import GpuparError
-from gpupar.models.layers import replica_consistent_state
+from gpupar.models.layers import fall_back_from_xla, replica_consistent_state, xla_batch_norm_error
 from gpupar.runtime.devices import configure_devices
 from gpupar.runtime.stages import plan_stages
 from gpupar.runtime.strategy import build_strategy, check_jit_compile, detected_plan
@@ -207,6 +207,10 @@ def build_engine(config, task, cluster=None) -> Engine:
             applied.build(model.trainable_variables)  # each slot variable is placed beside its variable
     finally:
         keras.config.set_dtype_policy(previous_policy)
+    if on_gpus and fall_back_from_xla(model, xla_batch_norm_error(placement.devices[0])):
+        log.warning("XLA could not compile the batch norm on %s, so it runs as Keras' BatchNormalization (the same "
+                    "variables, slower): CUDA's ptxas and libdevice are missing; pip install 'tensorflow[and-cuda]' "
+                    "brings them", placement.devices[0])
     objective = _checked_objective(task, model, train)
     model.optimizer = applied  # where Keras' callbacks (ReduceLROnPlateau, LearningRateScheduler) look for it
     if config.augment:

@@ -14,7 +14,7 @@ import math
 import signal
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import keras
 import numpy as np
@@ -112,6 +112,12 @@ def _check_finite(loss, epoch, first_step, last_step, checkpoint):
     if not math.isfinite(loss):
         where = f"step {last_step}" if first_step == last_step else f"one of steps {first_step}..{last_step}"
         raise GpuparError(f"training loss became {loss} at epoch {epoch}, {where}; {_stopped_without_saving(checkpoint)}")
+
+
+def _mean_util(gpus) -> Optional[float]:
+    """The mean GPU-Util of the sampled GPUs that report one (a MIG card does not), or None."""
+    utils = [g.mean_util_percent for g in gpus if g.mean_util_percent is not None]
+    return statistics.fmean(utils) if utils else None
 
 
 def _crosses(before: int, after: int, every) -> bool:
@@ -243,7 +249,7 @@ class Loop:
             examples_per_second=totals.examples / totals.seconds, steps=totals.steps, skipped_steps=totals.skipped,
             input_wait_fraction=self.wait.fraction, resumed_at_step=start.step,
             updates_by_worker=dict(totals.by_worker) or None,
-            gpu_util_percent=statistics.fmean(g.mean_util_percent for g in self.gpus) if self.gpus else None,
+            gpu_util_percent=_mean_util(self.gpus),
             gpu_memory_used_mb=max(g.max_memory_used_mb for g in self.gpus) if self.gpus else None,
         )
 

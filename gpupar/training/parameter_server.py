@@ -29,16 +29,47 @@ log = logging.getLogger("gpupar")
 IN_FLIGHT_PER_WORKER = 2  # scheduled calls not yet fetched, per worker: enough to keep each busy
 
 
+def server_settings(task_type: str, devices) -> dict:
+    """The ConfigProto fields of a serving task's tf.distribute.Server, from its DevicePlan.
+
+    The Server makes its devices from its own ConfigProto, not from tf.config, so the memory
+    settings go there too; a ps task holds variables only and stays off the GPUs.
+    """
+    settings = {"inter_op_parallelism_threads": 4}
+    if task_type == "ps" or not devices.visible_gpus:
+        settings["device_count"] = {"GPU": 0}
+        return settings
+    settings["visible_device_list"] = ",".join(map(str, devices.visible_gpus))
+    settings["allow_growth"] = devices.memory_growth
+    if devices.memory_limits_mb is not None:
+        settings["memory_limits_mb"] = list(devices.memory_limits_mb)
+    return settings
+
+
+def _server_config(settings: dict):
+    config = tf.compat.v1.ConfigProto()
+    # Each closure the coordinator sends needs an inter-op thread while it waits on the ps tasks;
+    # with as few threads as cores (2 here) a worker can stall.
+    config.inter_op_parallelism_threads = settings["inter_op_parallelism_threads"]
+    for device, count in settings.get("device_count", {}).items():
+        config.device_count[device] = count
+    if "visible_device_list" in settings:
+        config.gpu_options.visible_device_list = settings["visible_device_list"]
+        config.gpu_options.allow_growth = settings["allow_growth"]
+    for limit in settings.get("memory_limits_mb", ()):
+        config.gpu_options.experimental.virtual_devices.add().memory_limit_mb.append(limit)
+    return config
+
+
 def serve(config, cluster: Cluster):
     """Runs this task's tf.distribute.Server until the process is stopped (it never returns)."""
     plan = plan_strategy(config.strategy, [], ["/cpu:0"], cross_device_ops=config.cross_device_ops, cluster=cluster)
-    configure_devices(config)
-    log.info("%s serving on %s until stopped, in %s", cluster.task_name,
-             cluster.jobs[cluster.task_type][cluster.task_index], plan.describe())
-    server_config = tf.compat.v1.ConfigProto()
-    # Each closure the coordinator sends needs an inter-op thread while it waits on the ps tasks;
-    # with as few threads as cores (2 here) a worker can stall.
-    server_config.inter_op_parallelism_threads = 4
+    devices = configure_devices(config)
+    settings = server_settings(cluster.task_type, devices)
+    log.info("%s serving on %s until stopped, in %s; GPUs: %s", cluster.task_name,
+             cluster.jobs[cluster.task_type][cluster.task_index], plan.describe(),
+             settings.get("visible_device_list") or "none")
+    server_config = _server_config(settings)
     server = tf.distribute.Server(
         tf.train.ClusterSpec({job: list(a) for job, a in cluster.jobs.items()}),
         job_name=cluster.task_type, task_index=cluster.task_index, protocol="grpc", config=server_config,

@@ -70,7 +70,8 @@ def train_and_evaluate(config: Config, task: Task) -> FitResult:
 
 def _run(config: Config, engine, task, stop, cluster, scratch_dir, started) -> FitResult:
     checkpoints = Checkpoints(config.model_dir, engine.model, engine.optimizer, config.max_to_keep,
-                              engine.global_batch, engine.signature, config.save)
+                              engine.global_batch, engine.signature, config.save,
+                              engine.update_optimizer if config.precision == "mixed_float16" else None)
     saved_at = checkpoints.restore(config.resume)
     if scratch_dir is not None:
         checkpoints.write_to(scratch_dir)  # a non-chief worker: it restores the chief's, keeps nothing

@@ -76,29 +76,42 @@ def _add(totals, values):
     return tf.nest.map_structure(tf.add, totals, values)
 
 
-def steps_in_one_call(batch_step, zeros, timed=False):
+def steps_in_one_call(batch_step, zeros, timed=False, strategy=None):
     """A tf.function(iterator, num_steps) that runs batch_step on num_steps batches in one call.
 
     batch_step(batch) returns a structure of float32 tensors shaped like `zeros`; they come back
-    summed over the steps, on the device until the call ends. With `timed` the function takes a
-    third argument, skip_first_wait (default False), and also returns the seconds spent waiting
-    for input batches and the rest of the call's time (the steps: forward, backward, update), read
-    from in-graph timestamps so that measuring adds no host round trip. A step's wait is the mean
-    over replicas of the time until the replica has its share of the batch (how long a device sits
-    idle for input); skip_first_wait leaves out the wait for the first batch (a fresh pipeline
-    filling up). On a GPU the timestamps are host-side: the call ends when its sums have reached
-    the host.
+    summed over the steps. With a `strategy`, batch_step is a replica's step: it runs on every
+    replica (strategy.run), each replica keeps its own sums on its device through the call, and
+    the sums are reduced over the replicas once, when the call ends: no step waits for another's
+    numbers to reach the host. With `timed` the function takes a third argument, skip_first_wait
+    (default False), and also returns the seconds spent waiting for input batches and the rest of
+    the call's time (the steps: forward, backward, update), read from in-graph timestamps. A step's
+    wait is the mean over replicas of the time until the replica has its share of the batch (how
+    long a device sits idle for input); skip_first_wait leaves out the wait for the first batch (a
+    fresh pipeline filling up). On a GPU the timestamps are host-side: the call ends when its sums
+    have reached the host.
     """
 
     def start():
-        return tf.nest.map_structure(lambda z: tf.zeros(np.shape(z), tf.float32), zeros)
+        fresh = lambda: tf.nest.map_structure(lambda z: tf.zeros(np.shape(z), tf.float32), zeros)  # noqa: E731
+        return strategy.run(fresh) if strategy is not None else fresh()
+
+    def step(totals, batch):
+        if strategy is None:
+            return _add(totals, batch_step(batch))
+        return strategy.run(lambda kept, share: _add(kept, batch_step(share)), args=(totals, batch))
+
+    def reduced(totals):
+        if strategy is None:
+            return totals
+        return tf.nest.map_structure(lambda value: strategy.reduce(SUM, value, axis=None), totals)
 
     @tf.function
     def run(iterator, num_steps):
         totals = start()
         for _ in tf.range(num_steps):
-            totals = _add(totals, batch_step(next(iterator)))
-        return totals
+            totals = step(totals, next(iterator))
+        return reduced(totals)
 
     @tf.function
     def timed_run(iterator, num_steps, skip_first_wait=False):
@@ -108,16 +121,18 @@ def steps_in_one_call(batch_step, zeros, timed=False):
         for i in tf.range(num_steps):
             # One iteration at a time, so a step asks for its batch once the one before it has
             # finished, update included. The while loop would otherwise start the next iteration's
-            # ops early, and the rest of a step on another replica would count as waiting.
+            # ops early, and the rest of a step on another replica would count as waiting. On a
+            # GPU this orders the launches only: kernels still queue up on the device.
             tf.autograph.experimental.set_loop_options(parallel_iterations=1)
             with tf.control_dependencies([waited]):
                 asked = tf.timestamp()
             with tf.control_dependencies([asked]):
                 batch = next(iterator)
             arrived = _mean_arrival(batch)
-            totals = _add(totals, batch_step(batch))
+            totals = step(totals, batch)
             counted = tf.logical_not(tf.logical_and(skip_first_wait, tf.equal(i, 0)))
             waited += tf.where(counted, arrived - asked, tf.constant(0.0, tf.float64))
+        totals = reduced(totals)
         with tf.device("/cpu:0"):
             on_host = [tf.identity(t) for t in tf.nest.flatten(totals)]
         with tf.control_dependencies([*on_host, waited]):
@@ -125,16 +140,6 @@ def steps_in_one_call(batch_step, zeros, timed=False):
         return totals, waited, ended - began - waited
 
     return timed_run if timed else run
-
-
-def summed_over_replicas(strategy, replica_step):
-    """A batch_step for steps_in_one_call: replica_step on every replica, its outputs summed over them."""
-
-    def batch_step(batch):
-        outputs = strategy.run(replica_step, args=(batch,))
-        return tf.nest.map_structure(lambda value: strategy.reduce(SUM, value, axis=None), outputs)
-
-    return batch_step
 
 
 def unpack(batch):
@@ -200,7 +205,7 @@ def make_train_function(strategy, model, optimizer, objective, skip_nonfinite: b
         return compiled(x, y, sample_weight)
 
     zeros = (0.0, objective.zero_states())
-    return steps_in_one_call(summed_over_replicas(strategy, replica_step), zeros, timed=True)
+    return steps_in_one_call(replica_step, zeros, timed=True, strategy=strategy)
 
 
 def make_evaluate_function(strategy, model, objective):
@@ -213,7 +218,7 @@ def make_evaluate_function(strategy, model, objective):
         return numerators, denominators, objective.metric_states(y, y_pred, sample_weight)
 
     terms = np.zeros(len(objective.losses), np.float32)
-    return steps_in_one_call(summed_over_replicas(strategy, replica_step), (terms, terms, objective.zero_states()))
+    return steps_in_one_call(replica_step, (terms, terms, objective.zero_states()), strategy=strategy)
 
 
 def make_evaluation(evaluate, iterator, num_steps: int, objective, model):

@@ -1,0 +1,219 @@
+"""GPU readiness: each decision of the GPU paths, as a pure function of fake devices, NVML and environments."""
+
+import types
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gpupar.errors import GpuparError
+from gpupar.runtime import nvml
+from gpupar.runtime.cluster import Cluster
+from gpupar.runtime.devices import plan_devices
+from gpupar.runtime.launch import assign_gpus, visible_gpus
+from gpupar.runtime.strategy import Plan, check_jit_compile, plan_strategy
+
+GPUS = [f"/gpu:{i}" for i in range(8)]
+
+
+def test_launch_gives_each_worker_its_own_gpus_and_none_to_the_chief_and_ps():
+    sync = {"worker": ["a:1", "a:2"]}
+    assert assign_gpus(sync, ["0", "1", "2", "3"]) == {"worker:0": ["0", "1"], "worker:1": ["2", "3"]}
+    ps = {"chief": ["a:1"], "worker": ["a:2", "a:3"], "ps": ["a:4"]}
+    assert assign_gpus(ps, ["0", "1", "2"], per_worker=1) == {"chief:0": [], "worker:0": ["0"], "worker:1": ["1"],
+                                                             "ps:0": []}
+    assert assign_gpus(sync, []) == {"worker:0": [], "worker:1": []}
+    assert assign_gpus(sync, ["0", "1"], per_worker=0) == {"worker:0": [], "worker:1": []}
+    with pytest.raises(GpuparError, match="2 workers but 1 GPU"):
+        assign_gpus(sync, ["0"])
+    with pytest.raises(GpuparError, match="--gpus_per_worker=2 for 2 workers needs 4 GPUs"):
+        assign_gpus(sync, ["0", "1", "2"], per_worker=2)
+
+
+def test_launch_reads_the_gpus_it_may_hand_out():
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 3"}, None) == ["2", "3"]
+    assert visible_gpus({}, ["GPU 0: A100 (UUID: GPU-1)", "GPU 1: A100 (UUID: GPU-2)", "  MIG 1g.5gb"]) == ["0", "1"]
+    assert visible_gpus({}, []) == []
+
+
+def test_memory_growth_holds_with_virtual_cpus():
+    plan = plan_devices(2, memory_growth=True, virtual_cpus=2)
+    assert plan.environment == {"TF_FORCE_GPU_ALLOW_GROWTH": "true"} and plan.memory_growth
+    assert plan_devices(0, memory_growth=True, virtual_cpus=2).environment == {}
+    assert plan_devices(2, memory_growth=True, memory_limit_mb=1000).environment == {}  # a limit instead
+
+
+def test_a_parameter_server_task_passes_the_device_settings_to_its_server_and_ps_stay_off_gpus():
+    from gpupar.training.parameter_server import _server_config, server_settings
+
+    devices = plan_devices(2, memory_growth=True)
+    assert server_settings("ps", devices)["device_count"] == {"GPU": 0}
+    worker = server_settings("worker", devices)
+    assert (worker["visible_device_list"], worker["allow_growth"]) == ("0,1", True)
+    limited = server_settings("worker", plan_devices(2, gpus=[1], memory_limit_mb=4096))
+    proto = _server_config(limited)
+    assert proto.gpu_options.visible_device_list == "1" and not proto.gpu_options.allow_growth
+    assert [list(d.memory_limit_mb) for d in proto.gpu_options.experimental.virtual_devices] == [[4096]]
+    assert _server_config(server_settings("ps", devices)).device_count["GPU"] == 0
+
+
+def test_hierarchical_copy_refuses_an_odd_gpu_count_and_auto_avoids_it():
+    with pytest.raises(GpuparError, match="hierarchical_copy with 3 GPUs would drop one replica's gradients"):
+        plan_strategy("mirrored", GPUS[:3], ["/cpu:0"], cross_device_ops="hierarchical_copy")
+    assert plan_strategy("mirrored", GPUS[:4], ["/cpu:0"], cross_device_ops="hierarchical_copy").cross_device_ops == \
+        "hierarchical_copy"
+    assert plan_strategy("auto", GPUS[:3], ["/cpu:0"], platform="darwin").cross_device_ops == "reduction_to_one_device"
+    assert plan_strategy("auto", GPUS[:4], ["/cpu:0"], platform="win32").cross_device_ops == "hierarchical_copy"
+
+
+def test_parameter_servers_refuse_several_gpus_per_worker():
+    cluster = Cluster({"chief": ("a:1",), "worker": ("a:2", "a:3"), "ps": ("a:4",)}, "chief", 0, "TF_CONFIG")
+    with pytest.raises(GpuparError, match="parameter_server with 2 GPUs per task"):
+        plan_strategy("parameter_server", GPUS[:2], ["/cpu:0"], cluster=cluster)
+    assert plan_strategy("parameter_server", GPUS[:1], ["/cpu:0"], cluster=cluster).kind == "parameter_server"
+
+
+def test_jit_compile_with_several_replicas_is_allowed_on_gpus_only():
+    check_jit_compile(True, Plan("mirrored", tuple(GPUS[:2]), "nccl", None, ""))
+    with pytest.raises(GpuparError, match="jit_compile with 2 replicas needs GPUs"):
+        check_jit_compile(True, Plan("mirrored", ("/cpu:0", "/cpu:1"), "reduction_to_one_device", None, ""))
+    check_jit_compile(True, Plan("one_device", ("/cpu:0",), None, None, ""))
+
+
+def test_xla_batch_norm_falls_back_to_keras_where_xla_cannot_compile():
+    import keras
+
+    from gpupar.models.layers import XlaBatchNormalization, fall_back_from_xla
+
+    model = keras.Sequential([keras.Input((4,)), XlaBatchNormalization(), keras.layers.Dense(2)])
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
+    reference = keras.layers.BatchNormalization()
+    reference.build((None, 4))
+    assert not fall_back_from_xla(model, None) and model.layers[0].use_xla
+    assert fall_back_from_xla(model, "InternalError: libdevice not found at ./libdevice.10.bc")
+    assert not model.layers[0].use_xla
+    assert np.allclose(model.layers[0](x, training=True), reference(x, training=True), atol=1e-5)
+
+
+def test_bus_ids_match_tensorflows_gpus_to_nvmls():
+    assert nvml.normalise_bus_id("00000000:3B:00.0") == nvml.normalise_bus_id("0000:3b:00.0") == "0000:3b:00.0"
+    cards = [nvml.NvmlGpu(0, "00000000:17:00.0", "GPU-a"), nvml.NvmlGpu(1, "00000000:3B:00.0", "GPU-b", mig=True)]
+    assert nvml.match_by_bus_id(["0000:3b:00.0", "0000:17:00.0", None], cards) == [cards[1], cards[0], None]
+
+
+def test_cuda_settings_say_which_nvml_gpu_each_tensorflow_gpu_is():
+    cards = [nvml.NvmlGpu(i, f"0000:{17 + i:02x}:00.0", f"GPU-{i}") for i in range(4)]
+    assert nvml.match_visible(4, cards, None, "PCI_BUS_ID") == cards
+    assert nvml.match_visible(2, cards, "3,1", "PCI_BUS_ID") == [cards[3], cards[1]]  # remapped by CUDA_VISIBLE_DEVICES
+    assert nvml.match_visible(2, cards, "GPU-2,MIG-5", None) == [cards[2], None]  # UUIDs in any order; MIG unknown
+    assert nvml.match_visible(2, cards, "3,1", None) == [None, None]  # "fastest first": an index tells nothing
+
+
+class _FakePynvml:
+    """The part of pynvml that read_gpus uses: two cards, the second in MIG mode."""
+
+    NVMLError = RuntimeError
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, i):
+        return types.SimpleNamespace(total=16 * 2**30, free=(10 - 8 * i) * 2**30)
+
+    def nvmlDeviceGetMigMode(self, i):
+        return (i, i)
+
+    def nvmlDeviceGetPciInfo(self, i):
+        return types.SimpleNamespace(busId=f"00000000:{0x17 + i:02X}:00.0".encode())
+
+    def nvmlDeviceGetUUID(self, i):
+        return f"GPU-{i}"
+
+    def nvmlDeviceGetName(self, i):
+        return b"NVIDIA A100"
+
+
+def test_nvml_is_read_with_memory_and_mig_and_a_fraction_is_capped_at_what_is_free(monkeypatch):
+    from gpupar.runtime import devices
+
+    cards = nvml.read_gpus(_FakePynvml())
+    assert [(g.index, g.bus_id, g.total_mb, g.free_mb, g.mig) for g in cards] == [
+        (0, "00000000:17:00.0", 16384, 10240, False), (1, "00000000:18:00.0", 16384, 2048, True)]
+    monkeypatch.setattr(devices, "installed_nvml", lambda: _FakePynvml())
+    totals, free = devices.gpu_memory(1, {"CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+    assert (totals, free) == ((16384,), (2048,))
+    plan = plan_devices(1, memory_fraction=0.5, gpu_memory_mb=totals, gpu_free_mb=free)
+    assert plan.memory_limits_mb == (2048,) and "capped at 2,048 MiB" in plan.ignored[0]
+
+
+def test_the_loss_scale_is_checkpointed(tmp_path):
+    import keras
+
+    from gpupar.training.checkpoint import Checkpoints
+
+    def scaled():
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+        optimizer.build([variable])
+        return optimizer
+
+    variable = keras.Variable(np.zeros(2, np.float32))
+    first = scaled()
+    first.dynamic_scale.assign(256.0)
+    first.step_counter.assign(7)
+    Checkpoints(str(tmp_path), keras.Sequential(), first.inner_optimizer, loss_scale_optimizer=first).save_epoch(1)
+    again = scaled()
+    assert float(again.dynamic_scale) == 32768.0
+    Checkpoints(str(tmp_path), keras.Sequential(), again.inner_optimizer, loss_scale_optimizer=again).restore(True)
+    assert (float(again.dynamic_scale), int(again.step_counter)) == (256.0, 7)
+
+
+def test_the_sums_stay_on_the_replicas_until_the_call_ends():
+    """No step waits for another's numbers on the host: the cross-replica sums come after the steps' loop."""
+    from gpupar.training.steps import steps_in_one_call
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    iterator = iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(tf.ones([4])).repeat()))
+    run = steps_in_one_call(lambda batch: (tf.reduce_sum(batch), [tf.reduce_max(batch)]), (0.0, [0.0]), timed=True,
+                            strategy=strategy)
+    graph = run.get_concrete_function(iterator, tf.constant(1), tf.constant(False)).graph
+    reductions = [op for op in graph.get_operations() if op.type == "AddN"]
+    assert len(reductions) >= 2  # the two sums, reduced once, outside the loop
+    (loss, (peak,)), _, _ = run(iterator, tf.constant(3), tf.constant(False))
+    assert (float(loss), float(peak)) == (3 * 4.0, 3 * 2.0)  # 3 steps of 2 replicas of 2 ones each
+
+
+def test_the_check_plan_runs_what_the_machine_can():
+    from gpupar.monitor.device_check import plan_checks
+
+    here = plan_checks(0, nvml_installed=False, memory_setting=False)
+    assert {name for name, why in here.items() if why is None} == {"all-reduce", "XLA batch norm", "mixed_float16 steps"}
+    assert here["GPUs matched to NVML"] == "no GPU on this machine"
+    gpu = plan_checks(4, nvml_installed=True, memory_setting=True)
+    assert all(why is None for why in gpu.values())
+    no_nvml = plan_checks(4, nvml_installed=False, memory_setting=False)
+    assert "pip install 'gpupar[nvml]'" in no_nvml["GPUs matched to NVML"]
+    assert "no memory setting given" in no_nvml["memory settings take effect"]
+
+
+def test_devices_check_on_this_machine_runs_the_cpu_checks():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "gpupar", "devices", "--check", "--virtual_cpus=2", "--json"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    checks = {c["name"]: c for c in json.loads(done.stdout[done.stdout.index("["):])}
+    assert [checks[n]["status"] for n in ("all-reduce", "XLA batch norm", "mixed_float16 steps")] == ["PASS"] * 3
+    assert "sum 3" in checks["all-reduce"]["detail"]
+    assert checks["GPUs matched to NVML"]["status"] == "NOT RUN" and checks["memory settings take effect"]["fix"]
