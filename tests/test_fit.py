@@ -343,6 +343,31 @@ def test_bad_input_is_one_line_before_any_step():
     _refused("strategy=model_parallel trains gpupar's own models so far", good, (x, y), strategy="model_parallel")
 
 
+EARLY_OPTIMIZER = """
+import sys, keras, numpy as np, gpupar
+x = np.random.default_rng(0).normal(size=(256, 6)).astype("float32"); y = (x[:, 0] > 0).astype("int64")
+optimizer = keras.optimizers.SGD(0.1) if sys.argv[1] == "object" else (lambda: keras.optimizers.SGD(0.1))
+result = gpupar.fit(lambda: keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)]), (x, y),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer=optimizer,
+                    strategy="mirrored", virtual_cpus=2, batch_size=16, epochs=1, steps_per_epoch=2, save=False)
+print("replicas", result.replicas, "learning rate", float(keras.ops.convert_to_numpy(result.model.optimizer.learning_rate)))
+"""
+
+
+@pytest.mark.parametrize("given", ["object", "function"])
+def test_an_optimizer_made_before_fit_is_named_as_what_started_tensorflow(given, tmp_path):
+    """A Keras optimizer starts TensorFlow when made, before fit can make virtual CPUs; a function does not."""
+    done = subprocess.run([sys.executable, "-c", EARLY_OPTIMIZER, given], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    if given == "object":
+        error = done.stderr.strip().splitlines()[-1]
+        assert done.returncode == 1 and "TensorFlow has already initialised its devices" in error, done.stderr[-2000:]
+        assert "started by the optimizer object" in error and "optimizer=lambda: keras.optimizers.SGD(...)" in error
+    else:
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "replicas 2 learning rate 0.1" in done.stdout
+
+
 def _mean_loss(y, y_pred):
     return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y, y_pred, from_logits=True))
 

@@ -9,7 +9,7 @@ import logging
 import os
 from typing import Mapping, Optional, Sequence, Tuple
 
-from gpupar.errors import GpuparError
+from gpupar.errors import GpuparError, TensorFlowStarted
 from gpupar.runtime.nvml import installed_nvml, match_visible, read_gpus
 
 log = logging.getLogger("gpupar")
@@ -250,7 +250,7 @@ def _accept_initialised_runtime(tf, plan, physical_gpus, error):
         or len(plan.visible_gpus) != len(tf.config.list_logical_devices("GPU"))
     )
     if gpu_change or (plan.virtual_cpus or 1) > logical_cpus:
-        raise GpuparError(
+        raise TensorFlowStarted(
             "TensorFlow has already initialised its devices, so the device settings can no longer "
             f"change (TensorFlow said: {error}). Call gpupar.configure_devices (or fit_mnist) "
             "before any other TensorFlow work, or start a fresh process."

@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Tuple
 
 from gpupar.runtime.cluster import Cluster
 from gpupar.config import CROSS_DEVICE_OPS, MODEL_PARALLEL, STRATEGIES
-from gpupar.errors import GpuparError
+from gpupar.errors import GpuparError, TensorFlowStarted
 
 log = logging.getLogger("gpupar")
 
@@ -332,14 +332,14 @@ def _build_cluster_strategy(tf, plan: Plan):
                 communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation),
             )
         except RuntimeError as e:  # "Collective ops must be configured at program startup"
-            raise GpuparError(
+            raise TensorFlowStarted(
                 f"MultiWorkerMirroredStrategy could not join the cluster: TensorFlow was already running "
                 f"in this process ({e}). Create it first thing in each task: call gpupar.fit_mnist or "
                 "gpupar.make_strategy before any other TensorFlow work, in a fresh process"
             ) from None
         seen, expected, what = strategy.num_replicas_in_sync, plan.num_replicas, "replicas"
     if seen != expected:
-        raise GpuparError(
+        raise TensorFlowStarted(
             f"{_CLASS_NAMES[plan.kind]} sees {seen} {what}, but the cluster has {expected}: "
             "TensorFlow was set up before the strategy. Create it first thing in each task (gpupar does, "
             "unless other TensorFlow work ran earlier in this process)"

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from gpupar.config import PARAMETER_SERVERS, PIPELINE, SYNCHRONOUS, run_mode
 from gpupar.data.sources import ARRAYS, DATASET_FN
-from gpupar.errors import GpuparError
+from gpupar.errors import GpuparError, TensorFlowStarted
 from gpupar.models.layers import fall_back_from_xla, replica_consistent_state, xla_batch_norm_error
 from gpupar.runtime.devices import configure_devices
 from gpupar.runtime.stages import plan_stages
@@ -168,11 +168,16 @@ def build_engine(config, task, cluster=None) -> Engine:
     if mode != SYNCHRONOUS and not task.preset:
         raise GpuparError(f"strategy={config.strategy} trains gpupar's own models so far; for your model use a "
                           "synchronous strategy (auto, one_device, mirrored, central_storage, multi_worker_mirrored)")
-    devices = configure_devices(config)
+    try:
+        devices = configure_devices(config)
+        placement = _PLACEMENTS[mode](config, cluster, task)
+    except TensorFlowStarted as e:
+        if not task.early_start:
+            raise
+        raise TensorFlowStarted(f"{e}. Here TensorFlow was started by {task.early_start}") from None
     if devices.intra_op_threads or devices.inter_op_threads:
         log.info("threads: %s per op, %s ops at once",
                  *(n or "TensorFlow's default" for n in (devices.intra_op_threads, devices.inter_op_threads)))
-    placement = _PLACEMENTS[mode](config, cluster, task)
     log.info(placement.description)
     on_gpus = any(d.startswith("/gpu") for d in placement.devices)
     if config.precision == "mixed_float16" and not on_gpus:
@@ -235,6 +240,12 @@ def _optimizer(given, config):
     """The optimizer to train with, made under the strategy's scope (Keras' optimizers must be)."""
     if given is None:
         return keras.optimizers.Adam(config.learning_rate)
+    if callable(given) and not isinstance(given, keras.optimizers.Optimizer):
+        made = given()  # a function that makes it: called here, under the strategy's scope
+        if not isinstance(made, keras.optimizers.Optimizer):
+            raise GpuparError(f"the optimizer function returned a {type(made).__name__}, not a "
+                              "keras.optimizers.Optimizer")
+        return made
     if isinstance(given, str):
         try:
             return keras.optimizers.get(given)

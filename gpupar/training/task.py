@@ -27,6 +27,8 @@ class Task:
       device_transform: device_transform(x, step) on each replica's inputs (the preset's augmentation), or None.
       preset: Whether this is a gpupar model (model_parallel and parameter_server train only those yet).
       num_stages: The model's pipeline stages (presets), for strategy=model_parallel.
+      early_start: What among the arguments started TensorFlow before gpupar could set up its
+        devices or cluster, and how to avoid it; "" when nothing did.
     """
 
     build_model: Callable
@@ -39,6 +41,7 @@ class Task:
     device_transform: Optional[Callable] = None
     preset: bool = False
     num_stages: int = 1
+    early_start: str = ""
 
 
 def user_task(model_fn, train_data, eval_data, loss, metrics, optimizer, callbacks) -> Task:
@@ -59,9 +62,10 @@ def user_task(model_fn, train_data, eval_data, loss, metrics, optimizer, callbac
     if not callable(model_fn):
         raise GpuparError(f"model_fn is a {type(model_fn).__name__}; pass a function of no arguments that returns a "
                           "keras.Model")
-    if optimizer is not None and not isinstance(optimizer, (str, keras.optimizers.Optimizer)):
-        raise GpuparError(f"optimizer is a {type(optimizer).__name__}; pass a keras.optimizers.Optimizer, a Keras "
-                          "optimizer name such as 'adam', or None for Adam(learning_rate)")
+    if optimizer is not None and not isinstance(optimizer, (str, keras.optimizers.Optimizer)) and not (
+            callable(optimizer) and not isinstance(optimizer, type)):
+        raise GpuparError(f"optimizer is a {type(optimizer).__name__}; pass a keras.optimizers.Optimizer, a function "
+                          "that returns one, a Keras optimizer name such as 'adam', or None for Adam(learning_rate)")
     for callback in callbacks:
         if not isinstance(callback, keras.callbacks.Callback):
             raise GpuparError(f"callbacks holds a {type(callback).__name__}; give keras.callbacks.Callback objects")
@@ -79,4 +83,18 @@ def user_task(model_fn, train_data, eval_data, loss, metrics, optimizer, callbac
         return (sources.resolve(train_data, "train_data"),
                 None if eval_data is None else sources.resolve(eval_data, "eval_data"))
 
-    return Task(build_model, resolved, loss, metrics, optimizer, tuple(callbacks))
+    return Task(build_model, resolved, loss, metrics, optimizer, tuple(callbacks),
+                early_start=_early_start(optimizer, train_data, eval_data))
+
+
+def _early_start(optimizer, train_data, eval_data) -> str:
+    """What among fit's arguments has started TensorFlow already (a Keras optimizer, a tf.data.Dataset)."""
+    import keras
+
+    causes = []
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        causes.append("the optimizer object, which Keras gave its variables when it was made: pass a function that "
+                      f"makes it, e.g. optimizer=lambda: keras.optimizers.{type(optimizer).__name__}(...), or its name")
+    if any(type(data).__module__.startswith("tensorflow") for data in (train_data, eval_data)):
+        causes.append("the tf.data.Dataset, made before the call: pass a dataset_fn(input_context) that makes it")
+    return "; ".join(causes)
