@@ -14,7 +14,7 @@ import json
 import sys
 import tempfile
 
-from gpupar.runtime.launch import Launcher
+from gpupar.runtime.launch import launch
 
 quick = "--quick" in sys.argv
 run_dir = tempfile.mkdtemp(prefix="gpupar-parameter-server-")
@@ -27,7 +27,7 @@ flags = [
     f"--metrics_json={run_dir}/metrics.json",
     *(["--steps_per_epoch=10", "--display_step=5", "--batch_size=128"] if quick else []),
 ]
-status = Launcher(workers=2, ps=1, flags=flags).run()  # the chief's log shows the updates of each worker
+status = launch(workers=2, ps=1, restarts=0, args=flags)  # the chief's log shows the updates of each worker
 if status:
     sys.exit(status)
 metrics = json.load(open(f"{run_dir}/metrics.json"))

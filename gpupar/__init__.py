@@ -101,7 +101,10 @@ def fit(model_fn, train_data, eval_data=None, loss="sparse_categorical_crossentr
       loss: A Keras loss name, a keras.losses.Loss, a function(y_true, y_pred) of one value per
         example, or one per output (dict or list). Averaged over the global batch as its reduction says.
       metrics: Keras metric names or keras.metrics.Metric objects (a dict or list of lists per output).
-      optimizer: A Keras optimizer (schedules included) or its name; None: Adam(learning_rate).
+      optimizer: A Keras optimizer (schedules included), a function of no arguments that returns one,
+        or its name; None: Adam(learning_rate). A Keras optimizer starts TensorFlow when it is made:
+        where gpupar must set up devices or join a cluster first (virtual_cpus, GPU settings,
+        several workers), pass the function, e.g. optimizer=lambda: keras.optimizers.SGD(0.1).
       callbacks: keras.callbacks.Callback objects, called as model.fit calls them.
       config: A Config; None for the defaults.
       **options: Config fields over `config` (strategy, batch_size per replica, epochs, model_dir,

@@ -5,6 +5,7 @@
     gpupar plot runs/001/metrics.json -o curves.png             # curves of a run
     gpupar diagnose --augment --augment_on=host [--json]        # input-bound or step-bound?
     gpupar launch --workers=2 [--ps=1] -- --epochs=2 ...        # a loopback cluster
+    gpupar launch --workers=2 -- python train.py ...            # ... of any script
     gpupar --strategy=mirrored --virtual_cpus=2 --resume        # continue the latest run, on 2 replicas
     gpupar --help
 
@@ -69,6 +70,9 @@ flags.DEFINE_integer("restarts", 0, "gpupar launch: times to restart after a tas
 flags.DEFINE_integer("gpus_per_worker", None, "gpupar launch: GPUs each worker gets (its CUDA_VISIBLE_DEVICES); "
                      "empty shares the visible GPUs evenly, 0 trains on CPUs. The chief and ps tasks get none.",
                      lower_bound=0)
+flags.DEFINE_bool("allow_network", False, "gpupar launch: run the tasks on this machine's network, where other "
+                  "machines can reach their unauthenticated TensorFlow servers, instead of a private network "
+                  "namespace (for machines without one).")
 
 
 HELP = {
@@ -81,12 +85,13 @@ HELP = {
                  "training and what to change."),
     "plot": ("gpupar plot METRICS.json -o curves.png", "Draws loss, accuracy and speed per epoch from a metrics "
              "file (--metrics_json, or metrics.json in a run folder) into a PNG."),
-    "launch": ("gpupar launch [--workers=2] [--ps=0] [--restarts=0] -- [training flags]", "Runs a gpupar cluster on "
-               "this machine: each task is `python -m gpupar` with the training flags after --, its own TF_CONFIG "
-               "on 127.0.0.1 and its output prefixed with its name."),
+    "launch": ("gpupar launch [--workers=2] [--ps=0] [--restarts=0] -- [training flags | command]", "Runs a gpupar "
+               "cluster on this machine: each task is `python -m gpupar` with the training flags after -- (or the "
+               "command after --, e.g. python train.py), with its own TF_CONFIG on 127.0.0.1, in a private network "
+               "namespace that nothing outside the launcher reaches, its output prefixed with its name."),
 }
 _COMMAND_FLAGS = {"devices": ("json", "check"), "diagnose": ("json", "diagnose_steps"), "plot": ("output",),
-                  "launch": ("workers", "ps", "restarts", "gpus_per_worker")}
+                  "launch": ("workers", "ps", "restarts", "gpus_per_worker", "allow_network")}
 HELP_FLAGS = ("--help", "-h", "--helpshort", "-?")
 
 
@@ -199,7 +204,8 @@ def _launch(task_flags):
         return _error(f"--{given[0]} is a training flag: put it after --, e.g. gpupar launch --workers=2 -- "
                       f"--{given[0]}=...", 2)
     try:
-        return launch.launch(FLAGS.workers, FLAGS.ps, FLAGS.restarts, task_flags, FLAGS.gpus_per_worker)
+        return launch.launch(FLAGS.workers, FLAGS.ps, FLAGS.restarts, task_flags, FLAGS.gpus_per_worker,
+                             FLAGS.allow_network)
     except GpuparError as e:
         return _error(e, 2)
 

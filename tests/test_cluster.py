@@ -1,8 +1,14 @@
 """Cluster parsing (TF_CONFIG, SLURM) and the strategy decision for clusters: pure, no processes."""
 
 import json
+import os
+import re
+import sys
 
 import pytest
+import yaml
+
+from conftest import ROOT
 
 from gpupar.runtime.cluster import detect_cluster, parse_tf_config, tf_config
 from gpupar.errors import GpuparError
@@ -145,7 +151,7 @@ def test_launch_takes_its_own_flags_and_gives_the_rest_to_every_task(monkeypatch
     argv = cli.FLAGS(["gpupar", "launch", "--workers=3", "--ps=1", "--", "--epochs=2", "--model_dir=runs/x"])
     try:
         assert cli.main(argv) == 0
-        assert started == [(3, 1, 0, ["--epochs=2", "--model_dir=runs/x"], None)]
+        assert started == [(3, 1, 0, ["--epochs=2", "--model_dir=runs/x"], None, False)]
         cli.FLAGS.unparse_flags()
         argv = cli.FLAGS(["gpupar", "launch", "--epochs=2"])
         assert cli.main(argv) == 2 and len(started) == 1  # a training flag before --: refused, nothing started
@@ -153,9 +159,22 @@ def test_launch_takes_its_own_flags_and_gives_the_rest_to_every_task(monkeypatch
         cli.FLAGS.unparse_flags()
 
 
+def test_launch_runs_gpupar_for_flags_and_a_command_as_given():
+    from gpupar.runtime.launch import restart_command, task_command
+
+    gpupar = [sys.executable, "-m", "gpupar"]
+    assert task_command(["--epochs=2"]) == [*gpupar, "--epochs=2"]
+    assert task_command([]) == gpupar  # the default training run
+    assert task_command(["python", "train.py", "--epochs=2"]) == ["python", "train.py", "--epochs=2"]
+    # A restart resumes gpupar's own runs; a script's command is its own business (resume=True).
+    assert restart_command([*gpupar, "--epochs=2"]) == [*gpupar, "--epochs=2", "--resume"]
+    assert restart_command([*gpupar, "--resume_from=m/ckpt-3"]) == [*gpupar, "--resume_from=m/ckpt-3"]
+    assert restart_command(["python", "train.py", "--resume"]) == ["python", "train.py", "--resume"]
+    assert restart_command(["python", "train.py"]) == ["python", "train.py"]
+
+
 def test_launch_refuses_a_bad_count_before_starting_anything():
     import subprocess
-    import sys
 
     result = subprocess.run([sys.executable, "-m", "gpupar", "launch", "--workers=0", "--", "--epochs=1"],
                             capture_output=True, text=True, timeout=60)
@@ -172,3 +191,39 @@ def test_slurm_parameter_servers_follow_the_chief(monkeypatch, rank, task):
     cluster = detect_cluster(env, slurm_ps=1)
     assert cluster.task_name == task and cluster.jobs == {
         "chief": ("n1:8888",), "ps": ("n1:8889",), "worker": ("n2:8888", "n2:8889")}
+
+
+def _documented_tfjob():
+    """The TFJob and NetworkPolicy of docs/multi-machine.md's yaml block."""
+    text = open(os.path.join(ROOT, "docs", "multi-machine.md")).read()
+    (block,) = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    return {d["kind"]: d for d in yaml.safe_load_all(block)}
+
+
+def _operator_tf_config(job, replica_type, index):
+    """The TF_CONFIG Kubeflow's training operator sets in a TFJob's pod (its genTFConfigJSONStr)."""
+    name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
+    cluster = {}
+    for kind, spec in job["spec"]["tfReplicaSpecs"].items():
+        (container,) = [c for c in spec["template"]["spec"]["containers"] if c["name"] == "tensorflow"]
+        port = next(p["containerPort"] for p in container.get("ports", ()) if p["name"] == "tfjob-port")
+        cluster[kind.lower()] = [f"{name}-{kind.lower()}-{i}.{namespace}.svc:{port}" for i in range(spec["replicas"])]
+    return json.dumps({"cluster": cluster, "task": {"type": replica_type, "index": index}, "environment": "cloud"})
+
+
+def test_the_documented_tfjob_gives_gpupar_its_cluster():
+    documents = _documented_tfjob()
+    job = documents["TFJob"]
+    workers = job["spec"]["tfReplicaSpecs"]["Worker"]
+    assert workers["template"]["spec"]["containers"][0]["command"] == ["python", "train.py"]  # the script, unchanged
+    for index in range(workers["replicas"]):
+        cluster = detect_cluster({"TF_CONFIG": _operator_tf_config(job, "worker", index)})
+        assert (cluster.task_type, cluster.task_index, cluster.num_workers) == ("worker", index, 2)
+        assert cluster.jobs["worker"][index] == f"gpupar-train-worker-{index}.ml.svc:2222"
+        assert plan_strategy("auto", [], ["/cpu:0"], cluster=cluster).kind == "multi_worker_mirrored"
+    # Its NetworkPolicy admits only the job's own pods, on the port of TF_CONFIG.
+    policy = documents["NetworkPolicy"]["spec"]
+    own = {"training.kubeflow.org/job-name": job["metadata"]["name"]}
+    assert policy["podSelector"]["matchLabels"] == own and policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": own}}] and rule["ports"] == [{"port": 2222}]

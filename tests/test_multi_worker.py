@@ -104,6 +104,32 @@ def test_a_worker_killed_mid_run_is_restarted_and_the_run_completes(tmp_path):
     assert not os.path.exists(model_dir / ".scratch-worker-1")  # the killed worker's, removed by its restart
 
 
+USER_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "user_fit.py")
+
+
+@pytest.mark.slow
+def test_a_users_own_script_under_launch_trains_resumes_after_a_killed_worker_and_leaves_nothing(tmp_path):
+    model_dir = tmp_path / "model"
+    launch = Launch(["--workers=2", "--restarts=1"],
+                    [sys.executable, USER_SCRIPT, str(model_dir), "multi_worker_mirrored", "4"])
+    try:
+        launch.wait_for(r"\[worker:0\] Epoch:\[0\] loss:", timeout=120)
+        os.kill(launch.task_pids()["worker:1"][0], signal.SIGKILL)
+        status = launch.finish(timeout=180)
+    finally:
+        launch.kill_all()
+    assert status == 0, launch.output[-3000:]
+    launch.assert_no_strays()
+    out = launch.output
+    assert "restarting the cluster with the same command" in out
+    assert re.search(r"\[worker:0\] resumed from \S+ after [1-9]\d* epoch\(s\)", out), out[-3000:]
+    # Both workers end with the same weights, as two replicas of one synchronous run.
+    done = dict(re.findall(r"\[(worker:\d)\] user_fit done: 2 replicas, .*weights (\S+)", out))
+    assert set(done) == {"worker:0", "worker:1"} and done["worker:0"] == done["worker:1"], out[-3000:]
+    assert sorted(f for f in os.listdir(model_dir) if f.startswith("ckpt-") and f.endswith(".index")) == [
+        f"ckpt-{n}.index" for n in range(1, 5)]
+
+
 @pytest.mark.slow
 def test_sigterm_to_one_worker_stops_all_after_the_same_step_with_a_checkpoint(tmp_path):
     data_dir = make_idx_dir(tmp_path / "data", num_train=2048, num_test=100)

@@ -1,16 +1,19 @@
-"""`gpupar launch`: a cluster of gpupar processes on this machine, on loopback ports.
+"""`gpupar launch`: a cluster of processes on this machine, on loopback ports.
 
     gpupar launch --workers=2 -- --strategy=multi_worker_mirrored --epochs=2 --model_dir=runs/mw
     gpupar launch --workers=2 --ps=1 -- --strategy=parameter_server --epochs=2 --model_dir=runs/ps
+    gpupar launch --workers=2 -- python train.py --epochs=2      # any script, e.g. one calling gpupar.fit
 
-Each task is `python -m gpupar <flags>` with its own TF_CONFIG on 127.0.0.1 and a free port; its
-output lines are prefixed with its task name. With ps tasks there is also a chief (the
-coordinator). The launcher returns when the run is over: every task ended (synchronous), or the
-chief ended (parameter-server mode; the servers are then stopped). A task that fails stops all
-the others; with --restarts=N the whole cluster is started again, up to N times, with --resume
-(parameter-server mode restarts a failed worker alone: the coordinator retries its steps). Ctrl-C
-(or SIGTERM) sends SIGTERM to every task, so each saves a checkpoint, then SIGKILL after a grace
-period. Every process it started is gone when it returns.
+Each task is `python -m gpupar <flags>` (or, when what follows -- is a command rather than
+flags, that command) with its own TF_CONFIG on 127.0.0.1 and a free port; its output lines are
+prefixed with its task name. With ps tasks there is also a chief (the coordinator). The launcher
+returns when the run is over: every task ended (synchronous), or the chief ended
+(parameter-server mode; the servers are then stopped). A task that fails stops all the others;
+with --restarts=N the whole cluster is started again, up to N times (parameter-server mode
+restarts a failed worker alone: the coordinator retries its steps); gpupar's own flags get
+--resume, a command runs again unchanged (a script that should resume passes resume=True).
+Ctrl-C (or SIGTERM) sends SIGTERM to every task, so each saves a checkpoint, then SIGKILL after
+a grace period. Every process it started is gone when it returns.
 """
 
 import dataclasses
@@ -24,6 +27,7 @@ import time
 from typing import Dict, List, Optional
 
 from gpupar.errors import GpuparError
+from gpupar.runtime import network
 from gpupar.runtime.cluster import Cluster, tf_config
 
 GRACE_SECONDS = 30.0
@@ -111,15 +115,37 @@ def _stream(prefix: str, pipe, out, lock):
     pipe.close()
 
 
+def task_command(args: List[str]) -> List[str]:
+    """What every task runs: `python -m gpupar ARGS` when ARGS are flags, else ARGS as a command."""
+    if args and not args[0].startswith("-"):
+        return list(args)
+    return [sys.executable, "-m", "gpupar", *args]
+
+
+def restart_command(command: List[str]) -> List[str]:
+    """The command a restarted task runs: gpupar's own with --resume, anything else unchanged.
+
+    A checkpoint left by the failed run must be resumed, not refused ("model_dir already holds
+    checkpoints"); a script says so itself (gpupar.fit(..., resume=True)).
+    """
+    gpupar = [sys.executable, "-m", "gpupar"]
+    if command[:3] != gpupar:
+        return list(command)
+    flags = command[3:]
+    if any(f == "--resume" or f.startswith(("--resume=", "--resume_from", "--noresume")) for f in flags):
+        return list(command)
+    return [*command, "--resume"]
+
+
 class Launcher:
     """Starts, watches and stops the tasks of one loopback cluster."""
 
-    def __init__(self, workers: int, ps: int, flags: List[str], restarts: int = 0, out=None,
+    def __init__(self, workers: int, ps: int, args: List[str], restarts: int = 0, out=None,
                  gpus_per_worker: Optional[int] = None):
         self.jobs = loopback_cluster(workers, ps)
         self.gpus = visible_gpus(os.environ, _nvidia_smi())
         self.assigned = assign_gpus(self.jobs, self.gpus, gpus_per_worker)
-        self.flags, self.restarts = list(flags), restarts
+        self.command, self.restarts = task_command(args), restarts
         self.out = out or sys.stdout
         self.lock = threading.Lock()
         self.tasks: Dict[str, Task] = {}
@@ -130,14 +156,14 @@ class Launcher:
             self.out.write(f"[launch] {message}\n")
             self.out.flush()
 
-    def start(self, job: str, index: int, flags: List[str]):
+    def start(self, job: str, index: int, command: List[str]):
         cluster = Cluster({j: tuple(a) for j, a in self.jobs.items()}, job, index, "TF_CONFIG")
         env = dict(os.environ, TF_CONFIG=tf_config(cluster), PYTHONUNBUFFERED="1")
         gpus = self.assigned[cluster.task_name]
         if self.gpus:  # "" hides every GPU from a task that gets none
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         process = subprocess.Popen(
-            [sys.executable, "-m", "gpupar", *flags], env=env, stdin=subprocess.DEVNULL,
+            command, env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,  # own process group
         )
         reader = threading.Thread(target=_stream, args=(cluster.task_name, process.stdout, self.out, self.lock),
@@ -147,10 +173,10 @@ class Launcher:
         where = f"GPU(s) {','.join(gpus)}" if gpus else "no GPU" if self.gpus else "CPU"
         self.say(f"started {cluster.task_name} (pid {process.pid}) on {self.jobs[job][index]}, {where}")
 
-    def start_all(self, flags: List[str]):
+    def start_all(self, command: List[str]):
         for job in ("ps", "worker", "chief"):
             for index in range(len(self.jobs.get(job, ()))):
-                self.start(job, index, flags)
+                self.start(job, index, command)
 
     def kill(self, task: Task, sig=signal.SIGKILL):
         if task.process.poll() is None:
@@ -234,15 +260,13 @@ class Launcher:
                 self.restarts -= 1
                 task.reader.join(timeout=5)
                 self.say(f"{task.name} ended with status {code}; restarting it ({self.restarts} restart(s) left)")
-                # --resume: the config check would refuse a model_dir that holds checkpoints by now.
-                self.start(task.cluster.task_type, task.cluster.task_index, with_resume(self.flags))
+                self.start(task.cluster.task_type, task.cluster.task_index, restart_command(self.command))
         return None
 
     def run(self) -> int:
         """Runs the cluster to the end; returns the exit status (that of the failing task, if any)."""
-        flags = self.flags
         while True:
-            self.start_all(flags)
+            self.start_all(self.command)
             try:
                 status = self._watch()
             finally:
@@ -254,31 +278,41 @@ class Launcher:
                 self.say(f"task(s) failed ({', '.join(failed) or status}); stopped every task")
                 return status
             self.restarts -= 1
-            self.say(f"task(s) failed ({', '.join(failed)}); restarting the cluster with --resume "
+            restarted = restart_command(self.command)
+            how = "with --resume" if restarted != self.command else "with the same command"
+            self.command = restarted
+            self.say(f"task(s) failed ({', '.join(failed)}); restarting the cluster {how} "
                      f"({self.restarts} restart(s) left)")
             self.jobs = loopback_cluster(len(self.jobs["worker"]), len(self.jobs.get("ps", ())))
-            flags = self.flags = with_resume(flags)
 
 
-def with_resume(flags: List[str]) -> List[str]:
-    """The flags with --resume added, unless they already say how to resume."""
-    if any(f == "--resume" or f.startswith(("--resume=", "--resume_from", "--noresume")) for f in flags):
-        return list(flags)
-    return [*flags, "--resume"]
+def launch(workers: int, ps: int, restarts: int, args: List[str], gpus_per_worker: Optional[int] = None,
+           allow_network: bool = False) -> int:
+    """Runs `python -m gpupar ARGS` (or the command ARGS) as a loopback cluster of `workers` workers and `ps` ps tasks.
 
-
-def launch(workers: int, ps: int, restarts: int, flags: List[str], gpus_per_worker: Optional[int] = None) -> int:
-    """Runs `python -m gpupar FLAGS` as a loopback cluster of `workers` workers and `ps` ps tasks.
-
-    Each worker gets its own GPUs (assign_gpus); the chief and ps tasks none.
+    Each worker gets its own GPUs (assign_gpus); the chief and ps tasks none. The tasks run in a
+    private network namespace (gpupar.runtime.network): the launcher re-runs itself there, unless
+    allow_network.
 
     Returns:
       The exit status: that of the failing task, if any, or 128 + the signal that stopped it.
 
     Raises:
-      GpuparError: GPUs that cannot be shared out (before any task starts).
+      GpuparError: GPUs that cannot be shared out, or no private network without allow_network
+        (before any task starts).
     """
-    launcher = Launcher(workers, ps, flags, restarts, gpus_per_worker=gpus_per_worker)
+    inside = os.environ.get(network.PRIVATE_ENV) == "1"
+    isolation = network.plan_isolation(inside, allow_network, None if inside or allow_network
+                                       else network.working_unshare())
+    if isolation.prefix:
+        own = [f"--workers={workers}", f"--ps={ps}", f"--restarts={restarts}"]
+        if gpus_per_worker is not None:
+            own.append(f"--gpus_per_worker={gpus_per_worker}")
+        return network.run_inside(isolation.prefix, [sys.executable, "-m", "gpupar", "launch", *own, "--", *args])
+    if inside:
+        network.bring_loopback_up()
+    launcher = Launcher(workers, ps, args, restarts, gpus_per_worker=gpus_per_worker)
+    launcher.say(isolation.note)
 
     def on_signal(signum, _frame):
         if launcher.stopping is not None:  # a second Ctrl-C: no more waiting

@@ -12,6 +12,7 @@ from typing import Optional, Sequence, Tuple
 from gpupar.runtime.cluster import Cluster
 from gpupar.config import CROSS_DEVICE_OPS, MODEL_PARALLEL, STRATEGIES
 from gpupar.errors import GpuparError, TensorFlowStarted
+from gpupar.runtime.network import warn_if_reachable
 
 log = logging.getLogger("gpupar")
 
@@ -314,6 +315,7 @@ def _build_cluster_strategy(tf, plan: Plan):
     was validated; the check after creation catches a strategy that still sees one worker.
     """
     c = plan.cluster
+    warn_if_reachable(c.task_name, c.jobs[c.task_type][c.task_index])
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec({job: list(a) for job, a in c.jobs.items()}),
         task_type=c.task_type, task_id=c.task_index, rpc_layer="grpc",

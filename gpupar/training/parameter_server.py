@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from gpupar.runtime.cluster import Cluster
 from gpupar.runtime.devices import configure_devices
+from gpupar.runtime.network import warn_if_reachable
 from gpupar.runtime.strategy import plan_strategy
 from gpupar.training.steps import Results, count_correct, steps_in_one_call
 
@@ -69,6 +70,7 @@ def serve(config, cluster: Cluster):
     log.info("%s serving on %s until stopped, in %s; GPUs: %s", cluster.task_name,
              cluster.jobs[cluster.task_type][cluster.task_index], plan.describe(),
              settings.get("visible_device_list") or "none")
+    warn_if_reachable(cluster.task_name, cluster.jobs[cluster.task_type][cluster.task_index])
     server_config = _server_config(settings)
     server = tf.distribute.Server(
         tf.train.ClusterSpec({job: list(a) for job, a in cluster.jobs.items()}),
