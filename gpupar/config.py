@@ -37,7 +37,8 @@ class Config:
       epochs: Total epochs to train; a resumed run stops at the same total.
       stop_at_accuracy: MNIST presets: stop after the first epoch whose test accuracy reaches this (e.g. 0.89); empty trains all epochs.
       stop_at: Stop after the first epoch whose logs reach these, e.g. "val_accuracy=0.9" (a loss: at or below); empty trains all epochs.
-      batch_size: Examples per replica per step; the global batch is this times the replicas.
+      batch_size: Examples per replica per step; the global batch is this times the replicas (and times accumulate_steps).
+      accumulate_steps: Add up the gradients of this many batches on each replica, then all-reduce and update once: one step on an N-times larger batch, in the memory of one batch (synchronous strategies).
       learning_rate: Adam learning rate.
       strategy: auto, one_device, mirrored, central_storage, multi_worker_mirrored, parameter_server or model_parallel.
       devices: Device names overriding detection, e.g. "/gpu:0,/gpu:1".
@@ -87,6 +88,7 @@ class Config:
     stop_at_accuracy: Optional[float] = None
     stop_at: Optional[Mapping[str, float]] = None
     batch_size: int = 1024
+    accumulate_steps: int = 1
     learning_rate: float = 1e-3
     strategy: str = "auto"
     devices: Optional[Tuple[str, ...]] = None
@@ -288,7 +290,7 @@ def _is_number(value):
 
 # Each field's own check: whole numbers with their least value, optional ones (None allowed),
 # numbers in a range, booleans, and names from a list.
-_WHOLE = {"epochs": 0, "batch_size": 1, "display_step": 1, "slurm_ps": 0, "lstm_layers": 1, "lstm_units": 1,
+_WHOLE = {"epochs": 0, "batch_size": 1, "accumulate_steps": 1, "display_step": 1, "slurm_ps": 0, "lstm_layers": 1, "lstm_units": 1,
           "microbatches": 1}
 _OPTIONAL_WHOLE = {"memory_limit_mb": 1, "virtual_cpus": 1, "max_to_keep": 1, "checkpoint_every_steps": 1,
                    "steps_per_epoch": 1, "num_parallel_calls": 1, "data_threads": 1, "steps_per_call": 1,
@@ -389,6 +391,9 @@ def check_mode(c: Config, mode: str):
                "pass strategy=model_parallel, or microbatches=1")
     if mode == SYNCHRONOUS:
         return
+    _check(c.accumulate_steps == 1, f"accumulate_steps={c.accumulate_steps} adds up gradients in a synchronous step; "
+           f"strategy={name} has steps of its own" + (" (it pipelines micro-batches with microbatches=N)"
+                                                      if mode == PIPELINE else "") + "; use accumulate_steps=1")
     _check(not c.augment, f"augment is not available with strategy={name} (its input pipeline has no "
            "augmentation); drop --augment, or use a data-parallel strategy")
     _check(c.precision == "float32" and not c.jit_compile, f"precision and jit_compile are not available with "

@@ -189,7 +189,7 @@ def build_engine(config, task, cluster=None) -> Engine:
     log.info("data: %s%s", train.description, f"; evaluation: {evaluation.description}" if evaluation else "")
     if train.resume_note and config.resume is not False:
         log.info("resume: %s", train.resume_note)
-    global_batch = config.batch_size * placement.batch_replicas
+    global_batch = config.batch_size * placement.batch_replicas * config.accumulate_steps  # examples per update
     steps_per_epoch = train.steps_per_epoch(global_batch, placement.replicas // placement.pipelines)
     if config.steps_per_epoch is not None:
         steps_per_epoch = min(steps_per_epoch or config.steps_per_epoch, config.steps_per_epoch)
@@ -218,6 +218,10 @@ def build_engine(config, task, cluster=None) -> Engine:
                     "brings them", placement.devices[0])
     objective = _checked_objective(task, model, train)
     model.optimizer = applied  # where Keras' callbacks (ReduceLROnPlateau, LearningRateScheduler) look for it
+    if config.accumulate_steps > 1:
+        log.info("accumulation: each update adds the gradients of %d batches of %d per replica, one after another, "
+                 "then all-reduces once: one step on a global batch of %d", config.accumulate_steps,
+                 config.batch_size, global_batch)
     if config.augment:
         log.info("augmentation: random shifts, rotations and zooms, on the %s", config.augment_on)
     if config.precision != "float32" or config.jit_compile:
@@ -240,22 +244,28 @@ def _optimizer(given, config):
     """The optimizer to train with, made under the strategy's scope (Keras' optimizers must be)."""
     if given is None:
         return keras.optimizers.Adam(config.learning_rate)
-    if callable(given) and not isinstance(given, keras.optimizers.Optimizer):
+    if isinstance(given, str):
+        try:
+            made = keras.optimizers.get(given)
+        except ValueError:
+            raise GpuparError(f"optimizer={given!r} is not a Keras optimizer name; use one such as 'adam' or 'sgd', or "
+                              "pass a keras.optimizers.Optimizer") from None
+    elif callable(given) and not isinstance(given, keras.optimizers.Optimizer):
         made = given()  # a function that makes it: called here, under the strategy's scope
         if not isinstance(made, keras.optimizers.Optimizer):
             raise GpuparError(f"the optimizer function returned a {type(made).__name__}, not a "
                               "keras.optimizers.Optimizer")
-        return made
-    if isinstance(given, str):
-        try:
-            return keras.optimizers.get(given)
-        except ValueError:
-            raise GpuparError(f"optimizer={given!r} is not a Keras optimizer name; use one such as 'adam' or 'sgd', or "
-                              "pass a keras.optimizers.Optimizer") from None
-    if given.built:
+    elif given.built:
         raise GpuparError("the optimizer has been used already (it has variables); pass a new one: gpupar makes it "
                           "again under the strategy's scope from its config")
-    return given.__class__.from_config(given.get_config())
+    else:
+        made = given.__class__.from_config(given.get_config())
+    if made.gradient_accumulation_steps:
+        raise GpuparError(f"the optimizer has gradient_accumulation_steps={made.gradient_accumulation_steps}, Keras' "
+                          "own accumulation, which gpupar does not run under a strategy; pass accumulate_steps="
+                          f"{made.gradient_accumulation_steps} to gpupar instead (it adds up the batches' gradients in "
+                          "the step, then all-reduces them once)")
+    return made
 
 
 def _loss_scaled(inner, config):
@@ -318,7 +328,7 @@ def _synchronous(engine: Engine, config, task, train, evaluation):
     """Every replica steps together; the gradients are all-reduced in the optimizer's update."""
     strategy, optimizer, skips = engine.strategy, engine.update_optimizer, config.nan_policy == "skip"
     train_function = make_train_function(strategy, engine.model, optimizer, engine.objective, skips,
-                                         task.device_transform, config.jit_compile)
+                                         task.device_transform, config.jit_compile, config.accumulate_steps)
     engine.run_steps = _timed_calls(train_function, optimizer.dynamic_scale if skips else None)
     per_pipeline = engine.replicas // engine.input_pipelines
 
@@ -345,7 +355,7 @@ def _synchronous(engine: Engine, config, task, train, evaluation):
         dataset = strategy.distribute_datasets_from_function(lambda context: evaluation.data(context).repeat())
         steps = evaluation.batches // per_pipeline
     else:
-        dataset, steps = evaluation.evaluation(engine.global_batch)
+        dataset, steps = evaluation.evaluation(engine.global_batch // config.accumulate_steps)
         dataset = strategy.experimental_distribute_dataset(dataset)
     engine.evaluate = make_evaluation(make_evaluate_function(strategy, engine.model, engine.objective),
                                       keep_for_process(iter(dataset)), steps, engine.objective, engine.model)

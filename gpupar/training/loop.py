@@ -213,7 +213,9 @@ class Loop:
                                   or stop.signum):
                 now, interval = time.perf_counter(), totals.since(shown)
                 logs = interval.logs(objective)
-                log.info("Epoch:[%d] [%d / %d] %s, %s examples/s%s%s", epoch, finished, per_epoch, format_logs(logs),
+                position = f"{finished} / {per_epoch}" + (
+                    f" updates, {totals.examples:,} examples" if config.accumulate_steps > 1 else "")
+                log.info("Epoch:[%d] [%s] %s, %s examples/s%s%s", epoch, position, format_logs(logs),
                          f"{interval.examples / (now - shown_time):,.0f}",
                          f", skipped {interval.skipped} non-finite step(s)" if interval.skipped else "",
                          _workers_note(interval.by_worker))

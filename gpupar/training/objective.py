@@ -16,7 +16,7 @@ over batches is refused before training.
 """
 
 import dataclasses
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List
 
 import keras
 import numpy as np
@@ -199,12 +199,39 @@ class Objective:
                 denominators.append(count)
         return tf.stack(numerators), tf.stack(denominators)
 
-    def replica_loss(self, y, y_pred, sample_weight):
-        """This replica's share of the loss of the global batch: the replicas' shares sum to it."""
+    def replica_loss(self, y, y_pred, sample_weight, whole=None, total=None):
+        """This replica's share of the loss of the global batch, and the global denominators.
+
+        The replicas' shares sum to the loss of the global batch. For gradient accumulation the
+        batch is one micro-batch of a whole one: `whole`, (rows, sample weights) of this replica's
+        whole batch, makes the denominators the whole global batch's; `total` gives them, as
+        returned for an earlier micro-batch. The micro-batches' shares then sum to the whole
+        batch's loss. Returns (loss share, denominators over all replicas).
+        """
         numerators, denominators = self.terms(y, y_pred, sample_weight)
-        context = tf.distribute.get_replica_context()
-        total = context.all_reduce(SUM, denominators) if context is not None else denominators
-        return tf.reduce_sum(tf.math.divide_no_nan(numerators, total))
+        if total is None:
+            if whole is not None:
+                denominators = self._whole_denominators(denominators, len_rows(y), *whole)
+            context = tf.distribute.get_replica_context()
+            total = context.all_reduce(SUM, denominators) if context is not None else denominators
+        return tf.reduce_sum(tf.math.divide_no_nan(numerators, total)), total
+
+    def _whole_denominators(self, denominators, rows, whole_rows, whole_weight):
+        """The denominators of a whole batch, from those of its first `rows` rows.
+
+        Every row of a batch has the same number of loss values, so a count scales with the rows;
+        a sum of sample weights is taken over the whole batch's; "sum" stays one per global batch.
+        """
+        scaled = []
+        for term, denominator in zip(self.losses, tf.unstack(denominators)):
+            weight = _part(whole_weight, term.key) if isinstance(whole_weight, dict) else whole_weight
+            if term.reduction == "mean_with_sample_weight" and weight is not None:
+                scaled.append(tf.reduce_sum(tf.cast(weight, tf.float32)))
+            elif term.reduction == "sum":
+                scaled.append(denominator)
+            else:
+                scaled.append(denominator * tf.cast(whole_rows, tf.float32) / tf.cast(rows, tf.float32))
+        return tf.stack(scaled)
 
     def metric_states(self, y, y_pred, sample_weight) -> list:
         """The metrics' states for this share of the batch alone, flattened (they add up over shares)."""
@@ -254,8 +281,6 @@ class Objective:
             term.metric.reset_state()
 
 
-def loss_name(loss) -> Optional[str]:
-    """The loss's Keras name where it has one (used to check labels against the outputs)."""
-    if isinstance(loss, str):
-        return loss
-    return getattr(loss, "name", None) or getattr(loss, "__name__", None)
+def len_rows(structure):
+    """The rows (examples) of a batch: the first dimension of its first tensor."""
+    return tf.shape(tf.nest.flatten(structure)[0])[0]

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from gpupar.models.layers import replica_seeds
+from gpupar.training.objective import len_rows
 
 SUM = tf.distribute.ReduceOp.SUM
 
@@ -148,7 +149,7 @@ def unpack(batch):
 
 
 def make_train_function(strategy, model, optimizer, objective, skip_nonfinite: bool = False, device_transform=None,
-                        jit_compile: bool = False):
+                        jit_compile: bool = False, accumulate_steps: int = 1):
     """Returns train(iterator, num_steps, skip_first_wait) -> ((loss sum, metric states), input wait s, step s).
 
     It runs num_steps synchronous steps inside one tf.function call; the sums are over replicas
@@ -161,23 +162,63 @@ def make_train_function(strategy, model, optimizer, objective, skip_nonfinite: b
     leaves the non-trainable state (batch-norm statistics) as it was and adds nothing to the sums.
     With jit_compile each replica's step (forward, backward, update) is one XLA computation. Keras'
     random layers draw apart on each replica (gpupar.models.layers.replica_seeds).
+
+    With accumulate_steps N > 1 each replica splits its share of the batch into N micro-batches,
+    runs forward and backward on them one after another and adds up their gradients; then one
+    all-reduce and one update. Each micro-batch's loss is divided by the whole global batch's
+    denominator, so the update is the one of a single step on the whole batch (exactly so for
+    a model without batch norm, which normalises each micro-batch on its own).
     """
     scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    regularisation_share = 1.0 / accumulate_steps  # the micro-batches add the weight penalties once
+
+    def gradients(x, y, sample_weight, whole=None, total=None):
+        """(loss share, metric states, gradients, loss denominators) of one batch or micro-batch."""
+        with tf.GradientTape() as tape:
+            with replica_seeds():
+                y_pred = model(x, training=True)
+            y_pred = tf.nest.map_structure(lambda t: tf.cast(t, tf.float32), y_pred)  # 16-bit under mixed precision
+            loss, total = objective.replica_loss(y, y_pred, sample_weight, whole, total)
+            if model.losses:  # weight penalties: each replica adds its share, the replicas' sum adds them once
+                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses)) * regularisation_share
+            differentiated = optimizer.scale_loss(loss) if scaled else loss
+        grads = tape.gradient(differentiated, model.trainable_variables)
+        return loss, objective.metric_states(y, y_pred, sample_weight), grads, total
+
+    def accumulated(x, y, sample_weight):
+        """(loss share, metric states, gradients) of the batch as accumulate_steps micro-batches in turn."""
+        rows = len_rows(y)
+
+        def micro(m):
+            lower, upper = (m * rows) // accumulate_steps, ((m + 1) * rows) // accumulate_steps
+            return [None if part is None else tf.nest.map_structure(lambda t: t[lower:upper], part)
+                    for part in (x, y, sample_weight)]
+
+        # The first micro-batch gives the whole batch's denominators; the others divide by them too.
+        loss, states, grads, total = gradients(*micro(0), whole=(rows, sample_weight))
+        connected = [i for i, g in enumerate(grads) if g is not None]
+
+        def add_micro_batch(m, loss, states, summed):
+            more_loss, more_states, more_grads, _ = gradients(*micro(m), total=total)
+            return (m + 1, loss + more_loss, [a + b for a, b in zip(states, more_states)],
+                    [a + tf.convert_to_tensor(more_grads[i]) for a, i in zip(summed, connected)])
+
+        # One micro-batch at a time, so that only one holds its activations in memory.
+        _, loss, states, summed = tf.while_loop(
+            lambda m, *_: m < accumulate_steps, add_micro_batch,
+            (tf.constant(1), loss, states, [tf.convert_to_tensor(grads[i]) for i in connected]), parallel_iterations=1)
+        for i, total_grad in zip(connected, summed):
+            grads[i] = total_grad
+        return loss, states, grads
 
     def update(x, y, sample_weight):
         statistics = [v for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
         if skip_nonfinite:
             before = [tf.identity(v) for v in statistics]
-        with tf.GradientTape() as tape:
-            with replica_seeds():
-                y_pred = model(x, training=True)
-            y_pred = tf.nest.map_structure(lambda t: tf.cast(t, tf.float32), y_pred)  # 16-bit under mixed precision
-            loss = objective.replica_loss(y, y_pred, sample_weight)
-            if model.losses:  # weight penalties: each replica adds its share, the replicas' sum adds them once
-                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
-            differentiated = optimizer.scale_loss(loss) if scaled else loss
-        grads = tape.gradient(differentiated, model.trainable_variables)
-        states = objective.metric_states(y, y_pred, sample_weight)
+        if accumulate_steps > 1:
+            loss, states, grads = accumulated(x, y, sample_weight)
+        else:
+            loss, states, grads, _ = gradients(x, y, sample_weight)
         if scaled:
             finite = all_finite([g for g in grads if g is not None] + [loss])
             bad = tf.distribute.get_replica_context().all_reduce(SUM, 1.0 - tf.cast(finite, tf.float32)) > 0
