@@ -33,13 +33,14 @@ from benchmarks import script  # noqa: E402
 from gpupar.config import Config  # noqa: E402
 from gpupar.data import mnist, pipeline  # noqa: E402
 from gpupar.errors import GpuparError  # noqa: E402
-from gpupar.models.convnet import build_convnet  # noqa: E402
-from gpupar.models.lstm import build_lstm  # noqa: E402
-from gpupar.models.sequential import staged_sequential  # noqa: E402
+from gpupar.models import convnet, lstm  # noqa: E402
+from gpupar.models.staged import build_on_stages  # noqa: E402
 from gpupar.runtime.devices import configure_devices  # noqa: E402
 from gpupar.runtime.stages import StagePlan, plan_stages  # noqa: E402
 from gpupar.runtime.teardown import keep_for_process  # noqa: E402
+from gpupar.training.objective import Objective  # noqa: E402
 from gpupar.training.pipeline import Pipeline, make_train_function  # noqa: E402
+from gpupar.training.presets import LOSS, METRICS  # noqa: E402
 
 FLAGS = flags.FLAGS
 MICROBATCHES = (1, 4)
@@ -60,12 +61,23 @@ def define_flags():
 
 
 def models(lstm_units):
-    """(name, stages, builder(stage_devices)) of each benchmarked model."""
+    """(name, where its stages end, builder()) of each benchmarked model."""
     return [
-        ("lstm-2", 2, lambda devices: build_lstm(2, lstm_units, seed=SEED, stage_devices=devices)),
-        ("lstm-3", 3, lambda devices: build_lstm(3, lstm_units, seed=SEED, stage_devices=devices)),
-        ("convnet", 2, lambda devices: build_convnet(0.0, seed=SEED, stage_devices=devices)),
+        ("lstm-2", lstm.stage_ends(2), lambda: lstm.build_lstm(2, lstm_units, seed=SEED)),
+        ("lstm-3", lstm.stage_ends(3), lambda: lstm.build_lstm(3, lstm_units, seed=SEED)),
+        ("convnet", convnet.STAGE_ENDS, lambda: convnet.build_convnet(0.0, seed=SEED)),
     ]
+
+
+def pipelined(build, ends, plan, microbatches, sample):
+    """The train function of the model build() makes, split at `ends` over plan, with its Adam optimizer."""
+    keras.utils.set_random_seed(SEED)
+    model, stage_of = build_on_stages(build, ends, plan.variable_devices)
+    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer.build(model.trainable_variables)
+    images, labels = sample
+    objective = Objective(LOSS, METRICS, labels, model(images).numpy())
+    return make_train_function(Pipeline(model, stage_of, plan, objective, microbatches), optimizer)
 
 
 def ideal_speedup(stages: int, microbatches: int) -> float:
@@ -78,15 +90,12 @@ def configurations(splits, batch_size, lstm_units, names=MODELS):
     devices = [f"/cpu:{i}" for i in range(MAX_DEVICES)]
     dataset = pipeline.train_dataset((splits.train_images, splits.train_labels), batch_size, SEED, transform=mnist.normalise)
     rows = []
-    for name, stages, build in [m for m in models(lstm_units) if m[0] in names]:
+    for name, ends, build in [m for m in models(lstm_units) if m[0] in names]:
+        stages = len(ends) + 1
         for placement, plan in (("1 device", StagePlan(((devices[0],) * stages,))),
                                 (f"{stages} devices", plan_stages(devices[:stages], stages))):
-            keras.utils.set_random_seed(SEED)
-            model = build(plan.variable_devices)
-            optimizer = keras.optimizers.Adam(1e-3)
-            optimizer.build(model.trainable_variables)
             for microbatches in MICROBATCHES:
-                train = make_train_function(Pipeline(model, plan, microbatches), optimizer, batch_size)
+                train = pipelined(build, ends, plan, microbatches, _sample(splits))
                 iterator = keep_for_process(iter(dataset))
 
                 def run(steps, train=train, iterator=iterator):
@@ -97,6 +106,11 @@ def configurations(splits, batch_size, lstm_units, names=MODELS):
                              "devices": list(dict.fromkeys(plan.replicas[0])), "microbatches": microbatches,
                              "run": run, "images_per_second": []})
     return rows
+
+
+def _sample(splits):
+    """Two normalised training images and their labels, to build the objective on."""
+    return mnist.normalise(splits.train_images[:2], splits.train_labels[:2])
 
 
 def _paired(row, baseline):
@@ -138,15 +152,15 @@ def schedule_probe(splits, batch_size, seconds=0.2, repeats=3):
     devices = [f"/cpu:{i}" for i in range(MAX_DEVICES)]
     dataset = pipeline.train_dataset((splits.train_images, splits.train_labels), batch_size, SEED, transform=mnist.normalise)
     rows = []
-    for placement, plan in (("1 device", StagePlan(((devices[0],) * 3,))), ("3 devices", plan_stages(devices, 3))):
-        layers = []
-        for _ in range(3):  # Flatten starts a stage (layer_stages); Dense(2) is little compute beside the wait
+    def build():
+        layers = [keras.Input((28, 28, 1))]
+        for _ in range(3):  # a stage each; Dense(2) is little compute beside the wait
             layers += [keras.layers.Flatten(), keras.layers.Dense(2), Busy(seconds, batch_size)]
-        model = staged_sequential("probe", [*layers, keras.layers.Dense(10)], plan.variable_devices)
-        optimizer = keras.optimizers.Adam(1e-3)
-        optimizer.build(model.trainable_variables)
+        return keras.Sequential([*layers, keras.layers.Dense(10)], name="probe")
+
+    for placement, plan in (("1 device", StagePlan(((devices[0],) * 3,))), ("3 devices", plan_stages(devices, 3))):
         for microbatches in MICROBATCHES:
-            train = make_train_function(Pipeline(model, plan, microbatches), optimizer, batch_size)
+            train = pipelined(build, (2, 5), plan, microbatches, _sample(splits))
             iterator = keep_for_process(iter(dataset))
             float(train(iterator, tf.constant(1))[0][0])  # tracing
             times = []

@@ -76,6 +76,7 @@ class Config:
       model: convnet, or lstm (stacked LSTM over the 28 image rows).
       lstm_layers: LSTM layers of model=lstm; model_parallel puts each on its own device.
       lstm_units: Units in each LSTM layer of model=lstm.
+      stages: model_parallel: the layers after which a new stage starts, by name or index, e.g. "conv_out,dense_1" or "3,7" (Sequential or single-chain models); empty for the MNIST presets' own split.
       microbatches: model_parallel: pipeline each replica's batch as this many micro-batches.
       precision: float32, mixed_bfloat16 (CPUs with bfloat16 units, TPUs) or mixed_float16 (GPUs; with dynamic loss scaling).
       jit_compile: Compile each train step with XLA (one replica only: tf.distribute's all-reduce cannot be compiled).
@@ -126,6 +127,7 @@ class Config:
     model: str = "convnet"
     lstm_layers: int = 3
     lstm_units: int = 128
+    stages: Optional[Tuple[Union[str, int], ...]] = None
     microbatches: int = 1
     precision: str = "float32"
     jit_compile: bool = False
@@ -138,6 +140,7 @@ class Config:
         object.__setattr__(self, "profile_steps", _parse_profile_steps(self.profile_steps))
         object.__setattr__(self, "devices", _parse_devices(self.devices))
         object.__setattr__(self, "stop_at", _parse_stop_at(self.stop_at))
+        object.__setattr__(self, "stages", _parse_stages(self.stages))
         for name in ("data_dir", "model_dir", "log_dir", "metrics_json", "export_path"):
             if getattr(self, name) == "":
                 object.__setattr__(self, name, None)
@@ -246,6 +249,23 @@ def _parse_stop_at(stop_at):
         return {str(name): float(value) for name, value in stop_at.items()}
     except (TypeError, ValueError):
         raise GpuparError(f"stop_at={quote(stop_at)}: a target is not a number; {hint}") from None
+
+
+def _parse_stages(stages):
+    if stages is None or stages == "" or stages == ():
+        return None
+    hint = "name the layers after which a new stage starts, e.g. stages='conv_out,dense_1' or [3, 7]"
+    if isinstance(stages, (str, int)) and not isinstance(stages, bool):
+        stages = str(stages).split(",")
+    if not isinstance(stages, (list, tuple)):
+        raise GpuparError(f"stages={quote(stages)}: {hint}")
+    parsed = []
+    for item in stages:
+        if isinstance(item, bool) or not isinstance(item, (str, int)) or str(item).strip() == "":
+            raise GpuparError(f"stages={quote(stages)}: {item!r} is not a layer name or index; {hint}")
+        text = str(item).strip()
+        parsed.append(int(text) if text.lstrip("-").isdigit() else text)
+    return tuple(parsed)
 
 
 def _parse_devices(devices):
@@ -389,6 +409,8 @@ def check_mode(c: Config, mode: str):
     if mode != PIPELINE:
         _check(c.microbatches == 1, f"microbatches={c.microbatches} pipelines the stages of strategy=model_parallel; "
                "pass strategy=model_parallel, or microbatches=1")
+        _check(c.stages is None, f"stages={','.join(map(str, c.stages or ()))} splits a model for "
+               "strategy=model_parallel; pass strategy=model_parallel, or no stages")
     if mode == SYNCHRONOUS:
         return
     _check(c.accumulate_steps == 1, f"accumulate_steps={c.accumulate_steps} adds up gradients in a synchronous step; "

@@ -340,7 +340,7 @@ def test_bad_input_is_one_line_before_any_step():
     _refused("dataset is an option of the MNIST presets (gpupar.fit_mnist)", good, (x, y), dataset="mnist")
     _refused("the loss '_mean_loss' returns one scalar for the batch", good, (x, y),
              loss=_mean_loss)
-    _refused("strategy=model_parallel trains gpupar's own models so far", good, (x, y), strategy="model_parallel")
+    _refused("strategy=model_parallel needs stages", good, (x, y), strategy="model_parallel", virtual_cpus=2)
 
 
 EARLY_OPTIMIZER = """

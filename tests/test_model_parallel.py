@@ -2,6 +2,7 @@
 
 import functools
 import json
+import os
 import re
 
 import keras
@@ -12,11 +13,14 @@ from tensorflow.python.eager import context
 
 import gpupar
 from gpupar.errors import GpuparError
+from gpupar.models import convnet, lstm
 from gpupar.models.convnet import build_convnet
 from gpupar.models.lstm import build_lstm
-from gpupar.models.sequential import layer_stages
+from gpupar.models.staged import build_on_stages, chain_layers
+from gpupar.runtime.stages import plan_stages, stage_of_layers
+from gpupar.training.objective import Objective
 from gpupar.training.pipeline import Pipeline, make_train_function
-from gpupar.runtime.stages import plan_stages
+from gpupar.training.presets import LOSS
 
 CPUS = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
 GPUS = [f"/gpu:{i}" for i in range(8)]
@@ -70,10 +74,64 @@ def test_model_parallel_is_not_a_tf_distribute_strategy():
         gpupar.plan_strategy("model_parallel", [], CPUS)
 
 
-def test_where_the_models_split():
-    convnet, lstm = build_convnet(0.0), build_lstm(3, 8)
-    assert layer_stages(convnet.layers) == [0] * 8 + [1] * 6  # convolutions | flatten, dense head
-    assert layer_stages(lstm.layers) == [0, 0, 1, 2, 2]  # reshape + LSTM | LSTM | LSTM + dense
+def test_where_the_presets_split():
+    names = [layer.name for layer in build_convnet(0.0).layers]
+    assert stage_of_layers(names, convnet.STAGE_ENDS) == [0] * 8 + [1] * 6  # convolutions | flatten, dense head
+    names = [layer.name for layer in build_lstm(3, 8).layers]
+    assert stage_of_layers(names, lstm.stage_ends(3)) == [0, 0, 1, 2, 2]  # reshape + LSTM | LSTM | LSTM + dense
+
+
+def test_stages_end_where_named_by_name_or_index():
+    names = ["embed", "conv_out", "pool", "dense_1", "logits"]
+    assert stage_of_layers(names, ["conv_out", "dense_1"]) == [0, 0, 1, 1, 2]
+    assert stage_of_layers(names, [1, 3]) == [0, 0, 1, 1, 2]
+    assert stage_of_layers(names, []) == [0] * 5
+
+
+@pytest.mark.parametrize("ends, message", [
+    (["conv"], "the model has no layer 'conv'; its layers are 0: embed, 1: conv_out"),
+    ([7], "layer 7 does not exist"),
+    (["dense_1", "conv_out"], "in order and before the last layer"),
+    (["logits"], "in order and before the last layer"),
+])
+def test_stages_that_do_not_fit_the_layers_are_refused(ends, message):
+    with pytest.raises(GpuparError, match=re.escape(message)):
+        stage_of_layers(["embed", "conv_out", "pool", "dense_1", "logits"], ends)
+
+
+def _chain():
+    x = keras.Input((6,))
+    return keras.Model(x, keras.layers.Dense(2, name="out")(keras.layers.Dense(4, name="hidden")(x)))
+
+
+def _residual():
+    x = keras.Input((6,))
+    h = keras.layers.Dense(6, name="hidden")(x)
+    return keras.Model(x, keras.layers.Dense(2)(keras.layers.Add()([x, h])))
+
+
+def _two_inputs():
+    a, b = keras.Input((3,)), keras.Input((3,))
+    return keras.Model([a, b], keras.layers.Dense(2)(keras.layers.Concatenate()([a, b])))
+
+
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_a_functional_chain_is_split_like_a_sequential_model():
+    assert [layer.name for layer in chain_layers(_chain())] == ["hidden", "out"]
+
+
+@pytest.mark.parametrize("build", [_residual, _two_inputs, _Subclassed], ids=["residual", "two-inputs", "subclassed"])
+def test_a_model_that_is_not_a_chain_is_refused(build):
+    with pytest.raises(GpuparError, match="stages split a chain of layers"):
+        chain_layers(build())
 
 
 # --- placement, read from the partitioned graphs TensorFlow ran --------------------------------
@@ -104,22 +162,43 @@ NOT_COMPUTE = ("_Send", "_Recv", "_HostSend", "_HostRecv", "Const")
 PARTITIONER_PREFIXES = ("_cloop", "GroupCrossDeviceControlEdges")
 
 
+def _users_model():
+    """A user's Sequential model of three stages, none of them gpupar's layers."""
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Conv2D(4, 3, activation="relu", name="conv"),
+                             keras.layers.MaxPooling2D(name="pool"), keras.layers.Flatten(name="flat"),
+                             keras.layers.Dense(16, activation="relu", name="hidden"),
+                             keras.layers.Dense(10, name="logits")])
+
+
+USERS_ENDS = ("pool", "hidden")
+
+
+def _pipeline(build, ends, plan, microbatches):
+    """(the Pipeline of build()'s model split at ends over plan, its model)."""
+    model, stage_of = build_on_stages(build, ends, plan.variable_devices)
+    images, labels = next(iter(_batches(2)))
+    objective = Objective(LOSS, ["accuracy"], labels.numpy(), model(images).numpy())
+    return Pipeline(model, stage_of, plan, objective, microbatches), model
+
+
 @pytest.mark.parametrize(
-    "build, devices, stages, microbatches",
-    [(lambda d: build_lstm(3, 8, stage_devices=d), CPUS[:3], 3, 2),  # 1 replica x 3 stages
-     (lambda d: build_convnet(0.0, stage_devices=d), CPUS, 2, 2)],   # 2 replicas x 2 stages
-    ids=["lstm-3-stages", "convnet-2x2"],
+    "build, ends, devices, microbatches",
+    [(lambda: build_lstm(3, 8), lstm.stage_ends(3), CPUS[:3], 2),  # 1 replica x 3 stages
+     (lambda: build_convnet(0.0), convnet.STAGE_ENDS, CPUS, 2),    # 2 replicas x 2 stages
+     (_users_model, USERS_ENDS, CPUS[:3], 4)],                     # a user's model, 1 replica x 3 stages
+    ids=["lstm-3-stages", "convnet-2x2", "users-model-3-stages"],
 )
-def test_every_op_of_stage_k_runs_on_device_k(build, devices, stages, microbatches):
+def test_every_op_of_stage_k_runs_on_device_k(build, ends, devices, microbatches):
+    stages = len(ends) + 1
     plan = plan_stages(devices, stages)
-    model = build(plan.variable_devices)
+    pipeline, model = _pipeline(build, ends, plan, microbatches)
     optimizer = keras.optimizers.Adam()
     optimizer.build(model.trainable_variables)
-    pipeline = Pipeline(model, plan, microbatches)
     for k, layers in enumerate(pipeline.stages):
         assert {v.value.device for layer in layers for v in layer.weights} == {
             f"/job:localhost/replica:0/task:0/device:CPU:{plan.variable_devices[k][-1]}"}
-    train = make_train_function(pipeline, optimizer, global_batch=16)
+    train = make_train_function(pipeline, optimizer)
     nodes = _placed_nodes(train, iter(_batches(16)), tf.constant(1))
     seen, wrong = set(), []
     for name, op, device in nodes:
@@ -165,25 +244,25 @@ def _one_device_gradients(model, images, labels, global_batch, pieces=1):
     return float(loss), [g.numpy() for g in grads]
 
 
-def _pipelined_gradients(model, plan, microbatches, images, labels):
-    pipeline = Pipeline(model, plan, microbatches)
-    loss, _, grads = tf.function(lambda: pipeline.gradients(images, labels, int(images.shape[0])))()
+def _pipelined_gradients(pipeline, images, labels):
+    loss, _, grads = tf.function(lambda: pipeline.gradients((images, labels)))()
     return float(loss), [g.numpy() for g in grads]
 
 
-def _pair(build, plan):
-    """The same model split over plan's devices and unsplit on /cpu:0, with the same weights."""
-    split, whole = build(plan.variable_devices), build(None)
+def _pair(build, ends, plan, microbatches):
+    """The Pipeline of build()'s model split over plan's devices, and the same model unsplit, with the same weights."""
+    pipeline, split = _pipeline(build, ends, plan, microbatches)
+    whole = build()
     whole.set_weights(split.get_weights())
-    return split, whole
+    return pipeline, whole
 
 
 def _lstm(layers):
-    return lambda devices: build_lstm(layers, 16, seed=1, stage_devices=devices)
+    return lambda: build_lstm(layers, 16, seed=1)
 
 
-def _convnet(devices):
-    return build_convnet(0.0, seed=1, stage_devices=devices)
+def _convnet():
+    return build_convnet(0.0, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -193,19 +272,20 @@ def batch():
 
 
 @pytest.mark.parametrize(
-    "build, devices, stages",
-    [(_lstm(3), CPUS[:3], 3), (_lstm(2), CPUS, 2), (_convnet, CPUS[:2], 2)],
-    ids=["lstm-3-stages", "lstm-2-replicas-x-2-stages", "convnet-2-stages"],
+    "build, ends, devices",
+    [(_lstm(3), lstm.stage_ends(3), CPUS[:3]), (_lstm(2), lstm.stage_ends(2), CPUS), (_convnet, convnet.STAGE_ENDS, CPUS[:2]),
+     (_users_model, USERS_ENDS, CPUS[:3])],
+    ids=["lstm-3-stages", "lstm-2-replicas-x-2-stages", "convnet-2-stages", "users-model-3-stages"],
 )
-def test_split_model_computes_the_loss_and_gradients_of_the_unsplit_one(batch, build, devices, stages):
+def test_split_model_computes_the_loss_and_gradients_of_the_unsplit_one(batch, build, ends, devices):
     images, labels = batch
-    plan = plan_stages(devices, stages)
-    split, whole = _pair(build, plan)
-    expected_loss, expected = _one_device_gradients(whole, images, labels, 16)
-    for microbatches in (1, 4):  # the LSTM has no batch norm: micro-batches change nothing
+    plan = plan_stages(devices, len(ends) + 1)
+    for microbatches in (1, 4):  # no batch norm but in the ConvNet: micro-batches change nothing
         if build is _convnet and microbatches > 1:
             continue
-        loss, grads = _pipelined_gradients(split, plan, microbatches, images, labels)
+        pipeline, whole = _pair(build, ends, plan, microbatches)
+        expected_loss, expected = _one_device_gradients(whole, images, labels, 16)
+        loss, grads = _pipelined_gradients(pipeline, images, labels)
         assert loss == pytest.approx(expected_loss, rel=1e-5)
         assert _max_relative_difference(grads, expected) < RTOL
     assert max(float(np.max(np.abs(g))) for g in expected) > 1e-3  # a real, non-zero gradient
@@ -215,8 +295,8 @@ def test_convnet_micro_batches_normalise_by_their_own_statistics(batch):
     """Batch norm sees each micro-batch alone (as in GPipe): M=4 is the unsplit model on 4 quarters."""
     images, labels = batch
     plan = plan_stages(CPUS[:2], 2)
-    split, whole = _pair(_convnet, plan)
-    loss, grads = _pipelined_gradients(split, plan, 4, images, labels)
+    pipeline, whole = _pair(_convnet, convnet.STAGE_ENDS, plan, 4)
+    loss, grads = _pipelined_gradients(pipeline, images, labels)
     quarters_loss, quarters = _one_device_gradients(whole, images, labels, 16, pieces=4)
     assert loss == pytest.approx(quarters_loss, rel=1e-5)
     assert _max_relative_difference(grads, quarters) < RTOL
@@ -279,3 +359,59 @@ def test_the_lstm_also_trains_data_parallel(shared_idx_dir):
     assert result.replicas == 2 and "MirroredStrategy" in result.strategy_description
     assert all(np.isfinite(w).all() for w in result.model.get_weights())
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(result.model.get_weights(), initial)) > 1e-3
+
+
+# --- gpupar.fit with a user's model in stages ----------------------------------------------------
+
+def _users_dense():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh", name="a",
+                                                                   kernel_regularizer=keras.regularizers.L2(0.01)),
+                             keras.layers.Dense(8, activation="tanh", name="b"), keras.layers.Dense(4, name="c")])
+
+
+def _users_fit(**options):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 6)).astype("float32")
+    y = np.argmax(x[:, :4], axis=1).astype("int32")
+    weights = np.where(y == 0, 3.0, 0.5).astype("float32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight")
+    settings = dict(eval_data=(x[:50], y[:50]), loss=loss, optimizer=lambda: keras.optimizers.SGD(0.1),
+                    batch_size=32, epochs=1, steps_per_epoch=4, save=False, display_step=100)
+    return gpupar.fit(_users_dense, (x, y, weights), **{**settings, **options})
+
+
+def test_fit_trains_a_users_model_in_stages_to_the_one_device_weights():
+    one_device = _users_fit(strategy="one_device")
+    initial = _users_dense().get_weights()
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(one_device.model.get_weights(), initial)) > 1e-2
+    for stages, microbatches in ((("a", "b"), 1), ((0, 1), 4)):  # by name or index; M=4 gives the M=1 update
+        split = _users_fit(strategy="model_parallel", virtual_cpus=3, stages=stages, microbatches=microbatches)
+        assert "1 replica x 3 stages" in split.strategy_description
+        assert max(float(np.max(np.abs(a - b))) for a, b in zip(split.model.get_weights(),
+                                                                 one_device.model.get_weights())) < 1e-5
+        assert split.logs == pytest.approx(one_device.logs, rel=1e-5)  # loss, accuracy, val_loss, val_accuracy
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(), "strategy=model_parallel needs stages: the layers after which a new stage starts"),
+    (dict(stages=("a", "d")), "stages: the model has no layer 'd'; its layers are 0: a, 1: b, 2: c"),
+    (dict(stages=("a",), microbatches=3), "batch_size=32 does not split into microbatches=3"),
+])
+def test_bad_stages_for_a_users_model_are_one_line_before_any_step(options, message):
+    with pytest.raises(GpuparError, match=re.escape(message)) as e:
+        _users_fit(strategy="model_parallel", virtual_cpus=3, save=True, **options)
+    assert "\n" not in str(e.value) and not os.path.exists("runs")  # nothing written
+
+
+def test_a_users_model_that_is_not_a_chain_or_a_dataset_fn_is_refused_with_stages():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 6)).astype("float32"), rng.integers(0, 2, 64)
+    with pytest.raises(GpuparError, match="stages split a chain of layers"):
+        gpupar.fit(_residual, (x, y), strategy="model_parallel", stages=("hidden",), virtual_cpus=2, batch_size=8,
+                   epochs=1, save=False)
+    with pytest.raises(GpuparError, match="train_data is a dataset_fn, which gives per-replica batches"):
+        gpupar.fit(_chain, lambda context: tf.data.Dataset.from_tensor_slices((x, y)).batch(8), strategy="model_parallel",
+                   stages=("hidden",), virtual_cpus=2, batch_size=8, epochs=1, steps_per_epoch=2, save=False)
+    with pytest.raises(GpuparError, match=r"stages=hidden splits a model for strategy=model_parallel"):
+        gpupar.fit(_chain, (x, y), stages=("hidden",), batch_size=8, epochs=1, save=False)

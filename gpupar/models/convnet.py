@@ -1,32 +1,30 @@
 """The classic MNIST ConvNet: two convolutions and a dense layer, each with batch norm, then 10 logits."""
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import keras
 
-from gpupar.models.layers import ReplicaDropout, XlaBatchNormalization
-from gpupar.models.sequential import staged_sequential
+from gpupar.models.layers import ReplicaDropout, XlaBatchNormalization, replica_consistent_state
 
 NUM_CLASSES = 10
 DROPOUT, L2, BN_MOMENTUM = 0.5, 5e-4, 0.9  # build_convnet's defaults
+STAGE_ENDS = (7,)  # model_parallel: the convolutions (layers 0-7, to the second pooling) | the dense head
 
 
 def build_convnet(dropout: float = DROPOUT, sync_batch_norm: bool = False, l2: float = L2, seed: int = 0,
-                  stage_devices: Optional[Sequence[str]] = None, dtype: Optional[str] = None,
-                  xla_batch_norm: bool = True):
+                  dtype: Optional[str] = None, xla_batch_norm: bool = True):
     """The ConvNet: conv 6@5x5, conv 12@5x5, dense 100, each with batch norm, then 10 logits.
 
-    Call it inside `strategy.scope()` so its variables are placed by the strategy (or pass
-    stage_devices, two devices for the convolution and the dense stage, for model_parallel).
-    `dtype` is a Keras dtype policy such as "mixed_bfloat16" (None: float32). xla_batch_norm=False
-    uses Keras' own BatchNormalization (same variables and results, slower on a CPU).
+    Call it inside `strategy.scope()` so its variables are placed by the strategy. For
+    model_parallel it splits after the convolutions (STAGE_ENDS). `dtype` is a Keras dtype policy
+    such as "mixed_bfloat16" (None: float32). xla_batch_norm=False uses Keras' own
+    BatchNormalization (same variables and results, slower on a CPU).
 
     Args:
       dropout: Dropout rate before the last layer (gpupar's ReplicaDropout: a mask per replica).
       sync_batch_norm: Batch statistics over the global batch rather than each replica's.
       l2: Weight penalty of the convolution and dense kernels.
       seed: Seed of the initial weights and of the dropout masks.
-      stage_devices: Two devices for model_parallel, or None.
       dtype: A Keras dtype policy, or None for float32.
       xla_batch_norm: XlaBatchNormalization (True) or Keras' BatchNormalization.
 
@@ -66,4 +64,5 @@ def build_convnet(dropout: float = DROPOUT, sync_batch_norm: bool = False, l2: f
         keras.layers.Dense(NUM_CLASSES, kernel_initializer=init(), kernel_regularizer=keras.regularizers.L2(l2),
                            dtype=dtype),
     ]
-    return staged_sequential("convnet", layers, stage_devices)
+    with replica_consistent_state():
+        return keras.Sequential([keras.Input((28, 28, 1)), *layers], name="convnet")

@@ -1,25 +1,23 @@
 """A stacked-LSTM classifier over the 28 rows of an image."""
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import keras
 
 from gpupar.models.convnet import NUM_CLASSES
-from gpupar.models.sequential import staged_sequential
 
 
-def build_lstm(num_layers: int = 3, units: int = 128, seed: int = 0, stage_devices: Optional[Sequence[str]] = None,
-               dtype: Optional[str] = None):
+def build_lstm(num_layers: int = 3, units: int = 128, seed: int = 0, dtype: Optional[str] = None):
     """A stacked-LSTM classifier: the 28 rows of an image are 28 time steps of 28 pixels.
 
     num_layers LSTM layers of `units`, then 10 logits from the last LSTM's final output; no batch
-    norm and no dropout, so splitting a batch into micro-batches does not change the update.
+    norm and no dropout, so splitting a batch into micro-batches does not change the update. For
+    model_parallel it splits into one stage per LSTM layer (stage_ends).
 
     Args:
       num_layers: LSTM layers.
       units: Units in each.
       seed: Seed of the initial weights.
-      stage_devices: One device per LSTM layer for model_parallel, or None.
       dtype: A Keras dtype policy, or None for float32.
 
     Returns:
@@ -34,4 +32,9 @@ def build_lstm(num_layers: int = 3, units: int = 128, seed: int = 0, stage_devic
         ))
     layers.append(keras.layers.Dense(NUM_CLASSES, kernel_initializer=keras.initializers.GlorotUniform(seed=seed * 100 + 99),
                                      dtype=dtype))
-    return staged_sequential("lstm", layers, stage_devices)
+    return keras.Sequential([keras.Input((28, 28, 1)), *layers], name="lstm")
+
+
+def stage_ends(num_layers: int) -> tuple:
+    """model_parallel's split of build_lstm(num_layers): the reshape joins the first LSTM, the dense head the last."""
+    return tuple(range(1, num_layers))  # layer i (1..num_layers) is LSTM i-1

@@ -1,19 +1,14 @@
-"""The models gpupar trains by name (config.model), and what a checkpoint records of them."""
+"""The models gpupar trains by name (config.model), where model_parallel splits them, and what a checkpoint records."""
 
-from typing import Optional, Sequence
-
-from gpupar.models.convnet import build_convnet
-from gpupar.models.lstm import build_lstm
+from gpupar.models import convnet, lstm
 
 
-def build_model(config, stage_devices: Optional[Sequence[str]] = None):
-    """The model config.model names, built with config's options (stage_devices: see staged_sequential)."""
+def build_model(config):
+    """The model config.model names, built with config's options."""
     dtype = None if config.precision == "float32" else config.precision
     if config.model == "lstm":
-        return build_lstm(config.lstm_layers, config.lstm_units, seed=config.seed, stage_devices=stage_devices,
-                          dtype=dtype)
-    return build_convnet(config.dropout, config.sync_batch_norm, seed=config.seed, stage_devices=stage_devices,
-                         dtype=dtype)
+        return lstm.build_lstm(config.lstm_layers, config.lstm_units, seed=config.seed, dtype=dtype)
+    return convnet.build_convnet(config.dropout, config.sync_batch_norm, seed=config.seed, dtype=dtype)
 
 
 def model_signature(config) -> dict:
@@ -23,6 +18,6 @@ def model_signature(config) -> dict:
     return {"model": config.model}
 
 
-def num_stages(config) -> int:
-    """How many pipeline stages config.model has."""
-    return config.lstm_layers if config.model == "lstm" else 2
+def stage_ends(config) -> tuple:
+    """Where config.model's pipeline stages end (runtime.stages.stage_of_layers), for strategy=model_parallel."""
+    return lstm.stage_ends(config.lstm_layers) if config.model == "lstm" else convnet.STAGE_ENDS

@@ -1,11 +1,12 @@
-"""Which device runs which pipeline stage of which replica (strategy=model_parallel).
+"""Which layers make which pipeline stage, and which device runs which stage of which replica (model_parallel).
 
-`plan_stages` is a pure function of the device names, so tests call it with fake GPUs;
-gpupar/training/pipeline.py carries the plan out.
+`stage_of_layers` and `plan_stages` are pure functions of layer names and device names, so
+tests call them with fake ones; gpupar/models/staged.py and gpupar/training/pipeline.py carry
+the plan out.
 """
 
 import dataclasses
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple, Union
 
 from gpupar.errors import GpuparError
 
@@ -69,10 +70,39 @@ def plan_stages(devices: Sequence[str], num_stages: int) -> StagePlan:
         raise GpuparError(
             f"strategy=model_parallel puts each of the model's {num_stages} stages on its own device, but "
             f"only {len(devices)} device(s) are available ({', '.join(devices)}); use at least {num_stages} "
-            f"devices (e.g. virtual_cpus={num_stages} without GPUs), or a model with fewer stages "
-            "(lstm_layers)"
+            f"devices (e.g. virtual_cpus={num_stages} without GPUs), or fewer stages"
         )
     num_replicas = len(devices) // num_stages
     used = num_replicas * num_stages
     replicas = tuple(devices[r * num_stages:(r + 1) * num_stages] for r in range(num_replicas))
     return StagePlan(replicas, devices[used:])
+
+
+def stage_of_layers(names: Sequence[str], ends: Sequence[Union[str, int]]) -> List[int]:
+    """The stage of each layer of a chain, from the layers after which a new stage starts.
+
+    Args:
+      names: The chain's layer names, in order.
+      ends: The last layer of every stage but the last, by name or index into `names`.
+
+    Returns:
+      One stage number per layer: len(ends) + 1 stages.
+
+    Raises:
+      GpuparError: a layer that is not there, ends out of order, or a stage with no layer.
+    """
+    listed = ", ".join(f"{i}: {name}" for i, name in enumerate(names))
+    positions = []
+    for end in ends:
+        if isinstance(end, int):
+            if not 0 <= end < len(names):
+                raise GpuparError(f"stages: layer {end} does not exist; the model's layers are {listed}")
+            positions.append(end)
+        elif end in names:
+            positions.append(names.index(end))
+        else:
+            raise GpuparError(f"stages: the model has no layer {end!r}; its layers are {listed}")
+    if any(b <= a for a, b in zip(positions, positions[1:])) or (positions and positions[-1] >= len(names) - 1):
+        raise GpuparError(f"stages={tuple(ends)}: name the layers where each stage but the last ends, in order and "
+                          f"before the last layer (the last stage ends with the model); the layers are {listed}")
+    return [sum(i > end for end in positions) for i in range(len(names))]

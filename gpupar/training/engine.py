@@ -20,6 +20,7 @@ from gpupar.config import PARAMETER_SERVERS, PIPELINE, SYNCHRONOUS, run_mode
 from gpupar.data.sources import ARRAYS, DATASET_FN
 from gpupar.errors import GpuparError, TensorFlowStarted
 from gpupar.models.layers import fall_back_from_xla, replica_consistent_state, xla_batch_norm_error
+from gpupar.models.staged import build_on_stages
 from gpupar.runtime.devices import configure_devices
 from gpupar.runtime.stages import plan_stages
 from gpupar.runtime.strategy import build_strategy, check_jit_compile, detected_plan
@@ -63,6 +64,7 @@ class Engine:
       on_gpus: Whether the compute devices are GPUs.
       updates: The optimizer's update counter (it stands still on a skipped step).
       input_pipelines: Input pipelines of the strategy: one per worker.
+      stage_of: The pipeline stage of each layer of a chain model (model_parallel), else None.
     """
 
     description: str
@@ -86,6 +88,7 @@ class Engine:
     on_gpus: bool = False
     updates: Any = None
     input_pipelines: int = 1
+    stage_of: Optional[Sequence[int]] = None
     input: Any = None
 
     def start(self, first_step: int):
@@ -120,7 +123,8 @@ class _Placement:
     batch_replicas: int  # replicas that share one step's global batch
     scope: Callable[[], Any]
     devices: Sequence[str]
-    stage_devices: Optional[Sequence[str]] = None
+    stage_devices: Optional[Sequence[str]] = None  # a pipeline's: where each stage's variables live
+    stage_ends: Optional[Sequence] = None  # a pipeline's: where its stages end
     pipelines: int = 1  # input pipelines: one per worker
 
 
@@ -135,12 +139,16 @@ def _place_synchronous(config, cluster, task):
 
 
 def _place_pipeline(config, cluster, task):
+    ends = config.stages or task.stage_ends
+    if ends is None:
+        raise GpuparError("strategy=model_parallel needs stages: the layers after which a new stage starts, by name or "
+                          "index, e.g. stages=('conv_out',) for two stages")
     devices = detected_plan("auto", config.devices, max_cpus=config.virtual_cpus or 1).devices
-    plan = plan_stages(devices, task.num_stages)
+    plan = plan_stages(devices, len(ends) + 1)
     description = (f"{plan.describe()}; {config.microbatches} micro-batch(es) of "
                    f"{config.batch_size // config.microbatches} per replica")
     return _Placement(description, plan, plan.num_replicas, plan.num_replicas, contextlib.nullcontext, devices,
-                      plan.variable_devices)
+                      plan.variable_devices, tuple(ends))
 
 
 def _place_parameter_servers(config, cluster, task):
@@ -165,7 +173,7 @@ def build_engine(config, task, cluster=None) -> Engine:
       GpuparError: bad devices, data, model, loss or metrics, found before any training step.
     """
     mode = run_mode(config, cluster)
-    if mode != SYNCHRONOUS and not task.preset:
+    if mode == PARAMETER_SERVERS and not task.preset:
         raise GpuparError(f"strategy={config.strategy} trains gpupar's own models so far; for your model use a "
                           "synchronous strategy (auto, one_device, mirrored, central_storage, multi_worker_mirrored)")
     try:
@@ -204,9 +212,7 @@ def build_engine(config, task, cluster=None) -> Engine:
     try:
         with placement.scope():
             with replica_consistent_state():  # the model's state only: the optimizer's keeps Keras' aggregation
-                model = task.build_model(stage_devices=placement.stage_devices)
-                if not model.built:  # a subclassed model makes its variables on its first call
-                    model(unpack(tuple(train.sample()))[0], training=False)
+                model, stage_of = _built_model(task, placement, train)
             inner = _optimizer(task.optimizer, config)
             applied = _loss_scaled(inner, config)
             applied.build(model.trainable_variables)  # each slot variable is placed beside its variable
@@ -234,10 +240,23 @@ def build_engine(config, task, cluster=None) -> Engine:
         run_steps=None, evaluate=None, weights_finite=make_finite_check(model),
         signature=task.signature or _signature(model),
         learning_rate=None if task.optimizer is not None else config.learning_rate, visible_gpus=devices.visible_gpus,
-        on_gpus=on_gpus, updates=inner.iterations, input_pipelines=placement.pipelines,
+        on_gpus=on_gpus, updates=inner.iterations, input_pipelines=placement.pipelines, stage_of=stage_of,
     )
     _BUILDERS[mode](engine, config, task, train, evaluation)
     return engine
+
+
+def _built_model(task, placement, train):
+    """(the task's model, built; the stage of each of its layers for a pipeline, else None).
+
+    A pipeline's model has each stage's variables on its device (gpupar.models.staged).
+    """
+    if placement.stage_devices is not None:
+        return build_on_stages(task.build_model, placement.stage_ends, placement.stage_devices)
+    model = task.build_model()
+    if not model.built:  # a subclassed model makes its variables on its first call
+        model(unpack(tuple(train.sample()))[0], training=False)
+    return model, None
 
 
 def _optimizer(given, config):
@@ -362,14 +381,21 @@ def _synchronous(engine: Engine, config, task, train, evaluation):
 
 
 def _pipeline(engine: Engine, config, task, train, evaluation):
-    """The model's stages on consecutive devices, each batch pipelined as micro-batches (the presets)."""
-    stages = model_parallel.Pipeline(engine.model, engine.strategy, config.microbatches)
+    """The model's stages on consecutive devices, each batch pipelined as micro-batches."""
+    for role, source in (("train_data", train), ("eval_data", evaluation)):
+        if source is not None and source.kind == DATASET_FN:
+            raise GpuparError(f"{role} is a dataset_fn, which gives per-replica batches; strategy=model_parallel "
+                              "splits each global batch itself: give arrays, a dataset or a TFDS name")
+    stages = model_parallel.Pipeline(engine.model, engine.stage_of, engine.strategy, engine.objective,
+                                     config.microbatches)
     for line in stages.describe():
         log.info(line)
-    engine.run_steps = _timed_calls(model_parallel.make_train_function(stages, engine.optimizer,
-                                                                       engine.global_batch))
+    engine.run_steps = _timed_calls(model_parallel.make_train_function(stages, engine.optimizer))
     engine.make_input = lambda first_step, limit=None: keep_for_process(iter(
         train.training(engine.global_batch, config.seed, first_step, limit, config)))
+    if evaluation is None:
+        engine.evaluate = _no_evaluation
+        return
     dataset, steps = evaluation.evaluation(engine.global_batch)
     engine.evaluate = make_evaluation(model_parallel.make_evaluate_function(stages), keep_for_process(iter(dataset)),
                                       steps, engine.objective, engine.model)

@@ -199,6 +199,15 @@ class Objective:
                 denominators.append(count)
         return tf.stack(numerators), tf.stack(denominators)
 
+    def added_denominators(self, parts):
+        """The denominators of a batch from those of its parts (terms() of each, outside a strategy).
+
+        Counts and sums of weights add up; "sum" is one per batch whatever its parts.
+        """
+        total = tf.add_n(list(parts))
+        return tf.stack([tf.ones_like(d) if term.reduction == "sum" else d
+                         for term, d in zip(self.losses, tf.unstack(total))])
+
     def replica_loss(self, y, y_pred, sample_weight, whole=None, total=None):
         """This replica's share of the loss of the global batch, and the global denominators.
 

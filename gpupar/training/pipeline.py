@@ -2,8 +2,9 @@
 
     gpupar --model=lstm --strategy=model_parallel --virtual_cpus=3 --microbatches=4 \
         --dataset=fashion_mnist --data_dir=/usr/share/datasets/fashion-mnist --epochs=2
+    gpupar.fit(model_fn, (x, y), strategy="model_parallel", stages=("conv_out",), microbatches=4)
 
-Stage k's layers build their variables under tf.device(stage k's device) (gpupar.models.sequential),
+Stage k's layers build their variables under tf.device(stage k's device) (gpupar.models.staged),
 and its forward and backward ops are created under the same tf.device, one GradientTape per stage
 and micro-batch; activations go forward and their gradients back between devices as tensors
 (TensorFlow inserts the Send/Recv). GPipe-style: every micro-batch's gradients are summed on
@@ -12,20 +13,18 @@ TensorFlow's executor starts each op as soon as its inputs are ready: stage k's 
 micro-batch i+1 does not depend on stage k+1's work on micro-batch i, and the two can overlap.
 """
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from gpupar.errors import GpuparError
-from gpupar.models.sequential import layer_stages
+from gpupar.models.staged import chain_layers
 from gpupar.runtime.stages import StagePlan
 from gpupar.runtime.strategy import short_name
-from gpupar.training.steps import count_correct, steps_in_one_call
+from gpupar.training.steps import steps_in_one_call, unpack
 
 ZERO = tf.UnconnectedGradients.ZERO
 
 
-def _pieces(x, n):
+def pieces(x, n):
     """x split along the batch into n consecutive pieces (equal when the size allows)."""
     if n == 1:
         return [x]
@@ -37,19 +36,20 @@ def _pieces(x, n):
 
 
 class Pipeline:
-    """The layers of a gpupar Sequential model grouped into stages and run on a StagePlan's devices.
+    """The layers of a chain model grouped into stages and run on a StagePlan's devices.
 
     Micro-batch i of replica r is piece r * microbatches + i of the batch; its stage k runs on
     plan.replicas[r][k], forward ops in name scope forward_r{r}_s{k}_m{i} (TensorFlow names their
     gradient ops gradient_tape/.../forward_r{r}_s{k}_m{i}/...), gradient sums in accumulate_*.
+    The loss and metrics are the run's Objective: the last stage records each micro-batch's
+    weighted loss sums, and their gradients are taken with the whole batch's denominators, so
+    the update is the one of the whole batch on one device.
     """
 
-    def __init__(self, model, plan: StagePlan, microbatches: int = 1):
-        stage_of = layer_stages(model.layers)
-        if stage_of[-1] + 1 != plan.num_stages:
-            raise GpuparError(f"{model.name} has {stage_of[-1] + 1} stages but the plan has {plan.num_stages}")
-        self.model, self.plan, self.microbatches = model, plan, microbatches
-        self.stages = [[layer for layer, s in zip(model.layers, stage_of) if s == k] for k in range(plan.num_stages)]
+    def __init__(self, model, stage_of, plan: StagePlan, objective, microbatches: int = 1):
+        layers = chain_layers(model)
+        self.model, self.plan, self.objective, self.microbatches = model, plan, objective, microbatches
+        self.stages = [[layer for layer, s in zip(layers, stage_of) if s == k] for k in range(plan.num_stages)]
         self.variables = [[v for layer in stage for v in layer.trainable_variables] for stage in self.stages]
 
     def describe(self):
@@ -67,49 +67,70 @@ class Pipeline:
             x = layer(x, training=training)
         return x
 
-    def gradients(self, images, labels, global_batch: int):
-        """(loss, correct predictions, gradients in model.trainable_variables order) for one batch.
+    def _micro_batches(self, batch):
+        """[(x, y, sample_weight)] of every replica's micro-batches: piece r * microbatches + i."""
+        count = self.plan.num_replicas * self.microbatches
+        x, y, sample_weight = unpack(batch)
+        split = [None if part is None else pieces(part, count) for part in (x, y, sample_weight)]
+        return [tuple(None if parts is None else parts[j] for parts in split) for j in range(count)]
 
-        loss is the mean cross-entropy over the global batch plus the regularisation losses,
-        exactly what one device computes for the whole batch; the gradients are its gradients.
+    def _outputs(self, devices, r, i, x, training, tapes=None):
+        """The last stage's outputs (float32) of one micro-batch, each stage on its device; tapes kept if given."""
+        for k in range(self.plan.num_stages):
+            with tf.device(devices[k]), tf.name_scope(f"forward_r{r}_s{k}_m{i}"):
+                if tapes is None:
+                    x = self._stage(k, x, training)
+                    continue
+                with tf.GradientTape() as tape:
+                    if k:
+                        tape.watch(x)
+                    out = self._stage(k, x, training)
+                tapes.append([tape, x, out])
+                x = out
+        return x
+
+    def gradients(self, batch):
+        """(loss, metric states, gradients in model.trainable_variables order) for one global batch.
+
+        The loss is the objective's over the global batch plus the regularisation losses, what one
+        device computes for the whole batch; the gradients are its gradients.
         """
-        plan, num_m, num_s = self.plan, self.microbatches, self.plan.num_stages
-        xs, ys = _pieces(images, plan.num_replicas * num_m), _pieces(labels, plan.num_replicas * num_m)
-        losses, corrects, taped = [], [], {}
+        plan, num_m, num_s, objective = self.plan, self.microbatches, self.plan.num_stages, self.objective
+        parts = self._micro_batches(batch)
+        numerators, denominators, states, taped = {}, [], [], {}
         for i in range(num_m):  # forward: the order of creation is not the order of execution
             for r, devices in enumerate(plan.replicas):
-                x, y, tapes = xs[r * num_m + i], ys[r * num_m + i], []
-                for k in range(num_s):
-                    with tf.device(devices[k]), tf.name_scope(f"forward_r{r}_s{k}_m{i}"):
-                        with tf.GradientTape() as tape:
-                            if k:
-                                tape.watch(x)
-                            out = self._stage(k, x, training=True)
-                            if k == num_s - 1:
-                                corrects.append(count_correct(out, y))
-                                per_example = keras.losses.sparse_categorical_crossentropy(y, out, from_logits=True)
-                                out = tf.reduce_sum(per_example) / global_batch
-                                losses.append(out)
-                    tapes.append((tape, x, out))
-                    x = out
+                x, y, sample_weight = parts[r * num_m + i]
+                tapes = []
+                out = self._outputs(devices, r, i, x, True, tapes)
+                tape = tapes[-1][0]
+                with tf.device(devices[-1]), tf.name_scope(f"forward_r{r}_s{num_s - 1}_m{i}"), tape:
+                    y_pred = tf.nest.map_structure(lambda t: tf.cast(t, tf.float32), out)
+                    numerators[r, i], denominator = objective.terms(y, y_pred, sample_weight)
+                    states.append(objective.metric_states(y, y_pred, sample_weight))
+                denominators.append(denominator)
                 taped[r, i] = tapes
+        with tf.device(plan.variable_devices[-1]):
+            scale = tf.math.divide_no_nan(1.0, objective.added_denominators(denominators))
         per_stage = [[[] for _ in plan.replicas] for _ in range(num_s)]
         for i in range(num_m):  # backward, stage by stage from the last, each on its stage's device
             for r, devices in enumerate(plan.replicas):
-                upstream = None
+                upstream = scale
                 for k in reversed(range(num_s)):
                     tape, x, out = taped[r, i][k]
+                    target = numerators[r, i] if k == num_s - 1 else out
                     with tf.device(devices[k]):
                         sources = [*self.variables[k], x] if k else self.variables[k]
-                        grads = tape.gradient(out, sources, output_gradients=upstream, unconnected_gradients=ZERO)
+                        grads = tape.gradient(target, sources, output_gradients=upstream, unconnected_gradients=ZERO)
                     per_stage[k][r].append(grads[:len(self.variables[k])])
                     upstream = grads[-1] if k else None
         stage_grads = [self._accumulate(k, per_stage[k]) for k in range(num_s)]
         with tf.device(plan.variable_devices[-1]):
-            loss = tf.add_n(losses + [reg for _, reg in stage_grads if reg is not None])
-            correct = tf.add_n(corrects)
+            loss = tf.add_n([tf.reduce_sum(n * scale) for n in numerators.values()]
+                            + [reg for _, reg in stage_grads if reg is not None])
+            summed_states = [tf.add_n(list(s)) for s in zip(*states)]
         by_id = {id(v): g for k in range(num_s) for v, g in zip(self.variables[k], stage_grads[k][0])}
-        return loss, correct, [by_id[id(v)] for v in self.model.trainable_variables]
+        return loss, summed_states, [by_id[id(v)] for v in self.model.trainable_variables]
 
     def _accumulate(self, k, replica_grads):
         """Stage k's gradients summed over micro-batches (on each replica's device), then replicas.
@@ -131,44 +152,40 @@ class Pipeline:
                 total = [g if d is None else g + d for g, d in zip(total, reg_grads)]
         return total, reg
 
-    def evaluate(self, images, labels):
-        """(sum of the per-example losses, correct predictions, examples), with inference behaviour, pipelined."""
-        plan, num_m = self.plan, self.microbatches
-        xs, ys = _pieces(images, plan.num_replicas * num_m), _pieces(labels, plan.num_replicas * num_m)
-        losses, corrects = [], []
+    def evaluate(self, batch):
+        """(loss numerators, denominators, metric states) of one batch, with inference behaviour, pipelined."""
+        plan, num_m, objective = self.plan, self.microbatches, self.objective
+        parts = self._micro_batches(batch)
+        numerators, denominators, states = [], [], []
         for i in range(num_m):
             for r, devices in enumerate(plan.replicas):
-                x, y = xs[r * num_m + i], ys[r * num_m + i]
-                for k in range(plan.num_stages):
-                    with tf.device(devices[k]), tf.name_scope(f"forward_r{r}_s{k}_m{i}"):
-                        x = self._stage(k, x, training=False)
-                losses.append(tf.reduce_sum(keras.losses.sparse_categorical_crossentropy(y, x, from_logits=True)))
-                corrects.append(count_correct(x, y))
-        return tf.add_n(losses), tf.add_n(corrects), tf.cast(tf.shape(labels)[0], tf.float32)
+                x, y, sample_weight = parts[r * num_m + i]
+                y_pred = tf.nest.map_structure(lambda t: tf.cast(t, tf.float32),
+                                               self._outputs(devices, r, i, x, False))
+                numerator, denominator = objective.terms(y, y_pred, sample_weight)
+                numerators.append(numerator)
+                denominators.append(denominator)
+                states.append(objective.metric_states(y, y_pred, sample_weight))
+        return (tf.add_n(numerators), objective.added_denominators(denominators),
+                [tf.add_n(list(s)) for s in zip(*states)])
 
 
-def make_train_function(pipeline: Pipeline, optimizer, global_batch: int):
-    """Returns train(iterator, num_steps, skip_first_wait) -> ((loss sum, accuracy state), input wait s, step s).
+def make_train_function(pipeline: Pipeline, optimizer):
+    """Returns train(iterator, num_steps, skip_first_wait) -> ((loss sum, metric states), input wait s, step s).
 
-    One tf.function call of num_steps pipelined steps, timed as the synchronous steps are; the
-    accuracy state is SparseCategoricalAccuracy's, (correct, examples).
+    One tf.function call of num_steps pipelined steps, timed as the synchronous steps are.
     """
 
     def batch_step(batch):
-        images, labels = batch
-        loss, correct, grads = pipeline.gradients(images, labels, global_batch)
+        loss, states, grads = pipeline.gradients(batch)
         # Keras applies each variable's update colocated with the variable: on its stage's device.
         optimizer.apply(grads, pipeline.model.trainable_variables)
-        return loss, [correct, tf.cast(tf.shape(labels)[0], tf.float32)]
+        return loss, states
 
-    return steps_in_one_call(batch_step, (0.0, [0.0, 0.0]), timed=True)
+    return steps_in_one_call(batch_step, (0.0, pipeline.objective.zero_states()), timed=True)
 
 
 def make_evaluate_function(pipeline: Pipeline):
-    """Returns evaluate(iterator, num_steps) -> (loss numerators, denominators, accuracy state), as the steps'."""
-
-    def batch_step(batch):
-        loss_sum, correct, count = pipeline.evaluate(*batch)
-        return tf.stack([loss_sum]), tf.stack([count]), [correct, count]
-
-    return steps_in_one_call(batch_step, (np.zeros(1), np.zeros(1), [0.0, 0.0]))
+    """Returns evaluate(iterator, num_steps) -> (loss numerators, denominators, metric states), as the steps'."""
+    terms = np.zeros(len(pipeline.objective.losses), np.float32)
+    return steps_in_one_call(pipeline.evaluate, (terms, terms, pipeline.objective.zero_states()))

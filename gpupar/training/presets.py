@@ -4,7 +4,7 @@ import keras
 
 from gpupar.data import augment, mnist
 from gpupar.data.sources import ARRAYS, Source
-from gpupar.models.presets import build_model, model_signature, num_stages
+from gpupar.models.presets import build_model, model_signature, stage_ends
 from gpupar.training.task import Task
 
 # The preset's objective: the models give logits; the L2 penalty is in model.losses.
@@ -32,7 +32,7 @@ def mnist_task(config, optimizer=None, callbacks=()) -> Task:
 
     on_device = config.augment and config.augment_on == "device"
     return Task(
-        build_model=lambda stage_devices=None: build_model(config, stage_devices=stage_devices), sources=sources,
+        build_model=lambda: build_model(config), sources=sources,
         loss=LOSS, metrics=METRICS, optimizer=optimizer, callbacks=tuple(callbacks), signature=model_signature(config),
-        device_transform=device_transform if on_device else None, preset=True, num_stages=num_stages(config),
+        device_transform=device_transform if on_device else None, preset=True, stage_ends=stage_ends(config),
     )

@@ -16,8 +16,8 @@ class Task:
     """One run's model, data and objective.
 
     Attributes:
-      build_model: build_model(stage_devices) -> keras.Model, called under the strategy's scope;
-        stage_devices is None except for a model-parallel preset.
+      build_model: build_model() -> keras.Model, called under the strategy's scope (twice for
+        model_parallel: gpupar.models.staged).
       sources: sources() -> (training Source, evaluation Source or None) (gpupar.data.sources).
       loss: The loss: a Keras name, a keras.losses.Loss, a function, or one per output.
       metrics: Keras metric names or objects, or one list per output.
@@ -25,8 +25,9 @@ class Task:
       callbacks: Keras callbacks.
       signature: The model and its shape-defining options for checkpoints; None: read off the built model.
       device_transform: device_transform(x, step) on each replica's inputs (the preset's augmentation), or None.
-      preset: Whether this is a gpupar model (model_parallel and parameter_server train only those yet).
-      num_stages: The model's pipeline stages (presets), for strategy=model_parallel.
+      preset: Whether this is a gpupar model (parameter_server trains only those yet).
+      stage_ends: Where the model's pipeline stages end, for strategy=model_parallel when the
+        config gives no stages (the presets' own split); None: the config must give them.
       early_start: What among the arguments started TensorFlow before gpupar could set up its
         devices or cluster, and how to avoid it; "" when nothing did.
     """
@@ -40,7 +41,7 @@ class Task:
     signature: Optional[dict] = None
     device_transform: Optional[Callable] = None
     preset: bool = False
-    num_stages: int = 1
+    stage_ends: Optional[tuple] = None
     early_start: str = ""
 
 
@@ -70,7 +71,7 @@ def user_task(model_fn, train_data, eval_data, loss, metrics, optimizer, callbac
         if not isinstance(callback, keras.callbacks.Callback):
             raise GpuparError(f"callbacks holds a {type(callback).__name__}; give keras.callbacks.Callback objects")
 
-    def build_model(stage_devices=None):
+    def build_model():
         model = model_fn()
         if not isinstance(model, keras.Model):
             raise GpuparError(f"model_fn returned a {type(model).__name__}, not a keras.Model")
