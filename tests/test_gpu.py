@@ -110,9 +110,12 @@ def test_cuda_settings_say_which_nvml_gpu_each_tensorflow_gpu_is():
 
 
 class _FakePynvml:
-    """The part of pynvml that read_gpus uses: two cards, the second in MIG mode."""
+    """The part of pynvml that read_gpus uses: two 16 GiB cards, the second in MIG mode; `free`: each one's free GiB."""
 
     NVMLError = RuntimeError
+
+    def __init__(self):
+        self.free = [10, 2]
 
     def nvmlInit(self):
         pass
@@ -127,7 +130,7 @@ class _FakePynvml:
         return i
 
     def nvmlDeviceGetMemoryInfo(self, i):
-        return types.SimpleNamespace(total=16 * 2**30, free=(10 - 8 * i) * 2**30)
+        return types.SimpleNamespace(total=16 * 2**30, free=self.free[i] * 2**30)
 
     def nvmlDeviceGetMigMode(self, i):
         return (i, i)
@@ -202,6 +205,11 @@ def test_the_check_plan_runs_what_the_machine_can():
     no_nvml = plan_checks(4, nvml_installed=False, memory_setting=False)
     assert "pip install 'gpupar[nvml]'" in no_nvml["GPUs matched to NVML"]
     assert "no memory setting given" in no_nvml["memory settings take effect"]
+    assert "pip install 'gpupar[nvml]'" in plan_checks(4, nvml_installed=False, memory_setting=True)[
+        "memory settings take effect"]  # NVML tells the memory in use
+    unseen = plan_checks(0, nvml_installed=True, memory_setting=False, nvml_gpus=2)
+    assert unseen["GPUs matched to NVML"] is None  # runs, to fail with the fix
+    assert unseen["memory settings take effect"] == "TensorFlow sees no GPU"
 
 
 def test_devices_check_on_this_machine_runs_the_cpu_checks():
@@ -217,3 +225,186 @@ def test_devices_check_on_this_machine_runs_the_cpu_checks():
     assert [checks[n]["status"] for n in ("all-reduce", "XLA batch norm", "mixed_float16 steps")] == ["PASS"] * 3
     assert "sum 3" in checks["all-reduce"]["detail"]
     assert checks["GPUs matched to NVML"]["status"] == "NOT RUN" and checks["memory settings take effect"]["fix"]
+
+
+def _tf_sees(bus_ids, monkeypatch):
+    """TensorFlow's GPUs, as tf_bus_ids would list them."""
+    from gpupar.monitor import device_check
+
+    monkeypatch.setattr(device_check, "tf_bus_ids", lambda: list(bus_ids))
+
+
+def test_the_gpu_check_matches_tensorflows_gpus_to_nvmls_out_of_order_and_says_mig(monkeypatch):
+    from gpupar.monitor.device_check import FAIL, PASS, _match, judge_match
+
+    cards = nvml.read_gpus(_FakePynvml())  # NVML 0 at bus 17, NVML 1 (MIG) at bus 18
+    swapped = judge_match(["0000:18:00.0", "0000:17:00.0"], cards)
+    assert swapped.status == PASS and swapped.detail == (
+        "GPU:0 0000:18:00.0 -> NVML 1 NVIDIA A100 (MIG: NVML reports no utilisation); "
+        "GPU:1 0000:17:00.0 -> NVML 0 NVIDIA A100")
+    for unmatched in (["0000:17:00.0", "0000:65:00.0"], ["0000:17:00.0", None]):
+        missing = judge_match(unmatched, cards)
+        assert missing.status == FAIL and "GPU:1 " in missing.detail and missing.detail.endswith("-> none")
+        assert "CUDA_VISIBLE_DEVICES" in missing.fix
+    unseen = judge_match([], cards)
+    assert unseen.status == FAIL and "NVML sees 2 GPU(s)" in unseen.detail and "tensorflow[and-cuda]" in unseen.fix
+
+    _tf_sees(["0000:18:00.0"], monkeypatch)
+    assert _match({"nvml": _FakePynvml()}).detail == "GPU:0 0000:18:00.0 -> NVML 1 NVIDIA A100 (MIG: NVML reports no " \
+                                                     "utilisation)"
+
+
+def test_the_memory_check_fails_where_a_gpu_lost_more_than_growth_or_its_limit_allows(monkeypatch):
+    from gpupar.monitor.device_check import FAIL, NOT_RUN, PASS, SLACK_MB, _memory, judge_memory, memory_taken_mb
+
+    fake = _FakePynvml()
+    before = nvml.read_gpus(fake)
+    fake.free = [9, 1]
+    taken = memory_taken_mb(["0000:18:00.0", "0000:17:00.0", "0000:65:00.0"], before, nvml.read_gpus(fake))
+    assert taken == [1024, 1024, None]  # by bus id, in TensorFlow's order; None where NVML has no such GPU
+
+    assert judge_memory([SLACK_MB, 0], None).status == PASS
+    grabbed = judge_memory([SLACK_MB + 1, 0], None)  # memory growth: at most CUDA's context and a small op
+    assert grabbed.status == FAIL and "TF_FORCE_GPU_ALLOW_GROWTH=true" in grabbed.fix
+    assert grabbed.detail.startswith(f"GPU:0 {SLACK_MB + 1:,} MiB taken after a small op (at most {SLACK_MB:,})")
+    assert judge_memory([4096 + SLACK_MB, None], (4096, 4096)).status == PASS
+    over = judge_memory([100, 4097 + SLACK_MB], (4096, 4096))
+    assert over.status == FAIL and "limit did not hold" in over.fix and "GPU:1 " in over.detail
+    assert judge_memory([None, None], None).status == NOT_RUN
+
+    _tf_sees(["0000:17:00.0"], monkeypatch)
+    fake.free = [10, 2]
+    context = {"nvml": fake, "before": nvml.read_gpus(fake), "devices": plan_devices(2, memory_growth=True)}
+    fake.free = [4, 2]  # TensorFlow mapped 6 GiB of NVML 0 despite memory growth
+    result = _memory(context)
+    assert result.status == FAIL and result.detail.startswith("GPU:0 6,144 MiB taken")
+    context["devices"] = plan_devices(2, memory_limit_mb=8192)
+    assert _memory(context).status == PASS
+
+
+def test_the_all_reduce_check_fails_on_a_wrong_sum():
+    from gpupar.monitor.device_check import FAIL, PASS, _all_reduce, judge_all_reduce
+
+    plan = Plan("mirrored", tuple(GPUS[:3]), "nccl", None, "")
+    assert judge_all_reduce(plan, 6.0).status == PASS  # 1 + 2 + 3
+    wrong = judge_all_reduce(plan, 3.0)  # one replica's value dropped
+    assert wrong.status == FAIL and wrong.detail.endswith("all-reduce nccl: sum 3, expected 6")
+    assert "--cross_device_ops=reduction_to_one_device" in wrong.fix
+    cpus = Plan("mirrored", ("/cpu:0", "/cpu:1"), "reduction_to_one_device", None, "")
+    assert _all_reduce({"plan": cpus}).detail.endswith("sum 3")
+
+
+def test_the_xla_check_fails_with_the_fix_for_its_device(monkeypatch):
+    from gpupar.models import layers
+    from gpupar.monitor.device_check import FAIL, PASS, Check, _xla, judge_xla
+
+    assert judge_xla("/gpu:0", None) == Check("XLA batch norm", PASS, "compiled on /gpu:0")
+    on_gpu = judge_xla("/gpu:0", "InternalError: libdevice not found at ./libdevice.10.bc")
+    assert on_gpu.status == FAIL and "pip install 'tensorflow[and-cuda]'" in on_gpu.fix and "falls back" in on_gpu.fix
+    on_cpu = judge_xla("/cpu:0", "InternalError: no XLA")
+    assert on_cpu.status == FAIL and "only on GPUs" in on_cpu.fix
+
+    assert layers.xla_batch_norm_error("/cpu:0") is None
+
+    def missing_libdevice(*args):
+        raise tf.errors.InternalError(None, None, "libdevice not found at ./libdevice.10.bc\nsearched: /usr/local/cuda")
+
+    monkeypatch.setattr(layers, "_normalise_batch", missing_libdevice)
+    assert layers.xla_batch_norm_error("/gpu:0") == "InternalError: libdevice not found at ./libdevice.10.bc"
+    result = _xla({"plan": Plan("mirrored", tuple(GPUS[:2]), "nccl", None, "")})
+    assert result.status == FAIL and result.detail.startswith("InternalError: libdevice") and "ptxas" in result.fix
+
+
+def test_the_xla_fallback_reaches_nested_layers_and_leaves_other_models_alone():
+    import keras
+
+    from gpupar.models.layers import XlaBatchNormalization, fall_back_from_xla
+
+    inner = keras.Sequential([keras.Input((4,)), XlaBatchNormalization()])
+    outer = keras.Sequential([keras.Input((4,)), inner, keras.layers.Dense(2)])
+    assert fall_back_from_xla(outer, "InternalError: libdevice not found") and not inner.layers[0].use_xla
+    plain = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization()])
+    assert not fall_back_from_xla(plain, "InternalError: libdevice not found")
+
+
+def test_the_mixed_float16_check_needs_a_falling_loss_and_a_scale_that_holds():
+    from gpupar.monitor.device_check import FAIL, PASS, judge_mixed_steps
+
+    assert judge_mixed_steps("/gpu:0", [2.3, 1.1, 0.4], 32768.0).status == PASS
+    for losses, scale in (([2.3, 2.4], 32768.0), ([2.3, float("nan"), 0.4], 32768.0), ([2.3, 0.4], 0.5)):
+        failed = judge_mixed_steps("/gpu:0", losses, scale)
+        assert failed.status == FAIL and "precision=float32" in failed.fix, (losses, scale)
+    assert judge_mixed_steps("/gpu:0", [2.3, 0.4], 0.5).detail == "on /gpu:0: loss 2.300 -> 0.400, loss scale 0.5"
+
+
+def test_the_checks_print_pass_fail_and_not_run_with_the_fix_and_as_json():
+    import json
+
+    from gpupar.monitor.device_check import FAIL, NOT_RUN, PASS, Check, _guarded, format_checks, to_json
+
+    results = [Check("all-reduce", PASS, "sum 3"), Check("XLA batch norm", FAIL, "InternalError: x", "install it"),
+               Check("GPUs matched to NVML", NOT_RUN, "", "no GPU on this machine")]
+    assert format_checks(results).splitlines() == [
+        "PASS     all-reduce: sum 3", "FAIL     XLA batch norm: InternalError: x", "         fix: install it",
+        "NOT RUN  GPUs matched to NVML", "         why: no GPU on this machine"]
+    assert json.loads(to_json(results)) == [
+        {"name": "all-reduce", "status": "PASS", "detail": "sum 3", "fix": ""},
+        {"name": "XLA batch norm", "status": "FAIL", "detail": "InternalError: x", "fix": "install it"},
+        {"name": "GPUs matched to NVML", "status": "NOT RUN", "detail": "", "fix": "no GPU on this machine"}]
+
+    def crashes(context):
+        raise RuntimeError("failed call to cuInit: CUDA_ERROR_NO_DEVICE\nmore")
+
+    crashed = _guarded("all-reduce", crashes, {})
+    assert crashed.status == FAIL and "gpupar devices" in crashed.fix
+    assert crashed.detail.startswith("RuntimeError: failed call to cuInit: CUDA_ERROR_NO_DEVICE (")  # its first line
+    assert crashed.detail.endswith(" s)")
+
+
+def test_the_checks_read_nvml_before_tensorflow_and_fail_where_it_sees_none_of_nvmls_gpus(monkeypatch):
+    from gpupar import Config
+    from gpupar.monitor import device_check
+    from gpupar.runtime import devices
+
+    order = []
+
+    def read_gpus(module):
+        order.append("NVML")
+        return nvml.read_gpus(module)
+
+    def configure_devices(config):
+        order.append("TensorFlow")
+        return plan_devices(0)
+
+    monkeypatch.setattr(device_check, "installed_nvml", lambda: _FakePynvml())
+    monkeypatch.setattr(device_check, "read_gpus", read_gpus)
+    monkeypatch.setattr(devices, "configure_devices", configure_devices)
+    for name in ("all-reduce", "XLA batch norm", "mixed_float16 steps"):
+        monkeypatch.setitem(device_check._RUN, name, lambda context, name=name: device_check.Check(name, "PASS"))
+    results = {c.name: c for c in device_check.run_checks(Config())}
+    assert order[:2] == ["NVML", "TensorFlow"]  # the memory check's baseline comes before TensorFlow starts
+    match = results["GPUs matched to NVML"]
+    assert match.status == "FAIL" and "NVML sees 2 GPU(s)" in match.detail
+    assert results["memory settings take effect"].fix == "TensorFlow sees no GPU"
+
+
+def test_tensorflows_bus_ids_come_from_devices_made_with_the_runtimes_settings(monkeypatch):
+    from tensorflow.core.framework import device_attributes_pb2
+    from tensorflow.python.client import device_lib
+    from tensorflow.python.eager import context
+
+    given = []
+
+    def list_local_devices(session_config=None):
+        given.append(session_config)
+        desc = "device: {}, name: NVIDIA A100, pci bus id: {}, compute capability: 8.0"
+        return [device_attributes_pb2.DeviceAttributes(name="/device:CPU:0", device_type="CPU"),
+                device_attributes_pb2.DeviceAttributes(name="/device:GPU:0", device_type="GPU",
+                                                       physical_device_desc=desc.format(0, "0000:3b:00.0")),
+                device_attributes_pb2.DeviceAttributes(name="/device:GPU:1", device_type="GPU",
+                                                       physical_device_desc="device: 1, name: a GPU")]
+
+    monkeypatch.setattr(device_lib, "list_local_devices", list_local_devices)
+    assert nvml.tf_bus_ids() == ["0000:3b:00.0", None]
+    # the default config would make every GPU anew with default memory settings, the hidden ones included
+    assert given == [context.context().config] and given[0].device_count["CPU"] == 4

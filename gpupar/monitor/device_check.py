@@ -7,18 +7,25 @@ see, matched by PCI bus id; that the memory settings take effect; one all-reduce
 device with the chosen cross-device ops; one XLA batch-norm compile; 20 mixed_float16 steps of
 the ConvNet, whose loss must fall with a loss scale that holds. Without a GPU the CPU checks run
 (the all-reduce over the virtual CPUs, XLA, the steps) and the GPU checks are listed as not run.
-`plan_checks` is the pure decision of what can run.
+`plan_checks` decides what can run; each check reads TensorFlow or NVML in a few lines and hands
+what it read to a pure `judge_*` function, which tests call with fake devices and readings.
 """
 
 import dataclasses
 import json
+import math
 import time
-from typing import Callable, List
+from typing import Callable, List, Optional, Sequence
+
+from gpupar.runtime.nvml import NvmlGpu, installed_nvml, match_by_bus_id, read_gpus, tf_bus_ids
 
 PASS, FAIL, NOT_RUN = "PASS", "FAIL", "NOT RUN"
-GPU_CHECKS = ("GPUs matched to NVML", "memory settings take effect")
-CHECKS = (*GPU_CHECKS, "all-reduce", "XLA batch norm", "mixed_float16 steps")
-GROWTH_SLACK_MB = 2048  # with memory growth, a small op must leave most of the GPU unclaimed
+MATCH, MEMORY, ALL_REDUCE, XLA, MIXED = (
+    "GPUs matched to NVML", "memory settings take effect", "all-reduce", "XLA batch norm", "mixed_float16 steps")
+GPU_CHECKS = (MATCH, MEMORY)
+CHECKS = (*GPU_CHECKS, ALL_REDUCE, XLA, MIXED)
+SLACK_MB = 2048  # CUDA's context and a small op: what a GPU may lose beyond its limit (nothing, with growth)
+NO_NVML = "nvidia-ml-py is not installed: pip install 'gpupar[nvml]'"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,53 +45,119 @@ class Check:
     fix: str = ""
 
 
-def plan_checks(num_gpus: int, nvml_installed: bool, memory_setting: bool) -> dict:
-    """{check name: None to run it, or why it does not run}, from the machine's facts alone."""
-    reasons = {name: None for name in CHECKS}
+def plan_checks(num_gpus: int, nvml_installed: bool, memory_setting: bool, nvml_gpus: int = 0) -> dict:
+    """{check name: None to run it, or why it does not run}, from the machine's facts alone.
+
+    The match also runs where NVML sees GPUs (`nvml_gpus`) and TensorFlow none, to fail with the fix.
+    The memory check needs NVML, which tells the memory in use.
+    """
+    reasons = dict.fromkeys(CHECKS)
     if num_gpus == 0:
+        reasons[MEMORY] = "TensorFlow sees no GPU" if nvml_gpus else "no GPU on this machine"
+        if not nvml_gpus:
+            reasons[MATCH] = "no GPU on this machine"
+    elif not memory_setting:
+        reasons[MEMORY] = "no memory setting given (--memory_growth, --memory_limit_mb)"
+    if not nvml_installed:
         for name in GPU_CHECKS:
-            reasons[name] = "no GPU on this machine"
-    elif not nvml_installed:
-        reasons["GPUs matched to NVML"] = "nvidia-ml-py is not installed: pip install 'gpupar[nvml]'"
-    if num_gpus and not memory_setting:
-        reasons["memory settings take effect"] = "no memory setting given (--memory_growth, --memory_limit_mb)"
+            reasons[name] = reasons[name] or NO_NVML
     return reasons
 
 
-def _match(context) -> Check:
-    from gpupar.runtime.nvml import installed_nvml, match_by_bus_id, read_gpus, tf_bus_ids
-
-    bus_ids = tf_bus_ids()
-    matched = match_by_bus_id(bus_ids, read_gpus(installed_nvml()))
-    lines = [f"GPU:{i} {bus} -> {'NVML ' + str(g.index) + ' ' + g.name + (' (MIG)' if g.mig else '') if g else 'none'}"
-             for i, (bus, g) in enumerate(zip(bus_ids, matched))]
+def judge_match(bus_ids: Sequence[Optional[str]], gpus: Sequence[NvmlGpu]) -> Check:
+    """PASS where each of TensorFlow's GPUs (by PCI bus id, in TensorFlow's order) has its NVML device; MIG said."""
+    if not bus_ids:
+        return Check(MATCH, FAIL, f"TensorFlow made no GPU device; NVML sees {len(gpus)} GPU(s)",
+                     "TensorFlow cannot use these GPUs: pip install 'tensorflow[and-cuda]' (CUDA's libraries), and "
+                     "see TensorFlow's log for a compute capability it does not support")
+    matched = match_by_bus_id(bus_ids, gpus)
+    detail = "; ".join(f"GPU:{i} {bus} -> {_describe(g)}" for i, (bus, g) in enumerate(zip(bus_ids, matched)))
     if all(matched):
-        return Check(GPU_CHECKS[0], PASS, "; ".join(lines))
-    return Check(GPU_CHECKS[0], FAIL, "; ".join(lines), "a GPU TensorFlow uses has no NVML device at its PCI bus id: "
-                 "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
+        return Check(MATCH, PASS, detail)
+    return Check(MATCH, FAIL, detail, "a GPU TensorFlow uses has no NVML device at its PCI bus id: check the driver "
+                 "(nvidia-smi) and CUDA_VISIBLE_DEVICES")
+
+
+def _describe(gpu: Optional[NvmlGpu]) -> str:
+    if gpu is None:
+        return "none"
+    return f"NVML {gpu.index} {gpu.name}" + (" (MIG: NVML reports no utilisation)" if gpu.mig else "")
+
+
+def memory_taken_mb(bus_ids: Sequence[Optional[str]], before: Sequence[NvmlGpu],
+                    after: Sequence[NvmlGpu]) -> List[Optional[int]]:
+    """MiB of free memory each of TensorFlow's GPUs lost between two NVML readings; None where one lacks the GPU."""
+    return [b.free_mb - a.free_mb if a and b and None not in (a.free_mb, b.free_mb) else None
+            for b, a in zip(match_by_bus_id(bus_ids, before), match_by_bus_id(bus_ids, after))]
+
+
+def judge_memory(taken_mb: Sequence[Optional[int]], limits_mb: Optional[Sequence[int]]) -> Check:
+    """PASS where no GPU lost more than its limit (with memory growth: nothing) plus SLACK_MB after a small op.
+
+    Args:
+      taken_mb: What each of TensorFlow's GPUs lost since before TensorFlow started (None where unknown).
+      limits_mb: Each GPU's memory limit; None with memory growth.
+    """
+    if all(t is None for t in taken_mb):
+        return Check(MEMORY, NOT_RUN, "", "NVML did not report the memory of TensorFlow's GPUs (see the match)")
+    allowed = [SLACK_MB + (limits_mb[i] if limits_mb else 0) for i in range(len(taken_mb))]
+    detail = "; ".join(f"GPU:{i} " + ("not in NVML's readings" if t is None else
+                                      f"{t:,} MiB taken after a small op (at most {a:,})")
+                       for i, (t, a) in enumerate(zip(taken_mb, allowed)))
+    if all(t is None or t <= a for t, a in zip(taken_mb, allowed)):
+        return Check(MEMORY, PASS, detail)
+    if limits_mb:
+        fix = ("the memory limit did not hold: set it before any other TensorFlow work, and check that no other "
+               "process took this GPU's memory meanwhile (nvidia-smi)")
+    else:
+        fix = ("memory growth did not hold: TensorFlow mapped the GPU at start; set TF_FORCE_GPU_ALLOW_GROWTH=true "
+               "before TensorFlow starts (gpupar does with --memory_growth)")
+    return Check(MEMORY, FAIL, detail, fix)
+
+
+def judge_all_reduce(plan, total: float) -> Check:
+    """PASS where the all-reduce of each replica's index + 1 over plan's replicas summed to n(n+1)/2."""
+    expected = plan.num_replicas * (plan.num_replicas + 1) / 2
+    detail = f"{plan.describe().split(';')[0]}, all-reduce {plan.cross_device_ops or 'none'}: sum {total:g}"
+    if total == expected:
+        return Check(ALL_REDUCE, PASS, detail)
+    return Check(ALL_REDUCE, FAIL, f"{detail}, expected {expected:g}", "try --cross_device_ops=reduction_to_one_device "
+                 "(NCCL needs a working driver, and hierarchical_copy an even number of GPUs)")
+
+
+def judge_xla(device: str, error: Optional[str]) -> Check:
+    """PASS where the XLA batch norm compiled on device (error None); the fix depends on the device."""
+    if error is None:
+        return Check(XLA, PASS, f"compiled on {device}")
+    if "gpu" in device.lower():
+        fix = ("CUDA's ptxas and libdevice are missing: pip install 'tensorflow[and-cuda]' (gpupar falls back to "
+               "Keras' batch norm meanwhile, slower)")
+    else:
+        fix = "XLA cannot compile on this CPU, and gpupar falls back to Keras' batch norm only on GPUs: see the error"
+    return Check(XLA, FAIL, error, fix)
+
+
+def judge_mixed_steps(device: str, losses: Sequence[float], scale: float) -> Check:
+    """PASS where mixed_float16 training on device kept its losses finite, the last below the first, and a scale >= 1."""
+    detail = f"on {device}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, loss scale {scale:g}"
+    if all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] and scale >= 1:
+        return Check(MIXED, PASS, detail)
+    return Check(MIXED, FAIL, detail, "mixed_float16 does not train here: use precision=float32 (or mixed_bfloat16 "
+                 "on CPUs with bfloat16 units)")
+
+
+def _match(context) -> Check:
+    return judge_match(tf_bus_ids(), read_gpus(context["nvml"]))
 
 
 def _memory(context) -> Check:
     import tensorflow as tf
 
-    from gpupar.runtime.nvml import installed_nvml, match_by_bus_id, read_gpus, tf_bus_ids
-
-    with tf.device("/gpu:0"):
-        float(tf.reduce_sum(tf.ones([256, 256])))
-    config, name = context["config"], GPU_CHECKS[1]
-    gpu = match_by_bus_id(tf_bus_ids()[:1], read_gpus(installed_nvml()))[0] if installed_nvml() else None
-    if config.memory_limit_mb is not None or config.memory_fraction is not None:
-        limit = tf.config.get_logical_device_configuration(tf.config.list_physical_devices("GPU")[0])
-        ok = bool(limit) and limit[0].memory_limit is not None
-        return Check(name, PASS if ok else FAIL, f"logical GPU:0 limit {limit[0].memory_limit if limit else 'none'} MiB",
-                     "" if ok else "the limit did not reach TensorFlow: set it before any other TensorFlow work")
-    if gpu is None:
-        return Check(name, NOT_RUN, "", "NVML cannot tell the memory in use: pip install 'gpupar[nvml]'")
-    used = gpu.total_mb - gpu.free_mb
-    ok = used < GROWTH_SLACK_MB
-    return Check(name, PASS if ok else FAIL, f"{used:,} of {gpu.total_mb:,} MiB in use after a small op",
-                 "" if ok else "memory growth did not hold: TensorFlow mapped the GPU at start; set "
-                 "TF_FORCE_GPU_ALLOW_GROWTH=true before TensorFlow starts (gpupar does with --memory_growth)")
+    for device in tf.config.list_logical_devices("GPU"):
+        with tf.device(device.name):
+            float(tf.reduce_sum(tf.ones([256, 256])))
+    taken = memory_taken_mb(tf_bus_ids(), context["before"], read_gpus(context["nvml"]))
+    return judge_memory(taken, context["devices"].memory_limits_mb)
 
 
 def _all_reduce(context) -> Check:
@@ -92,28 +165,17 @@ def _all_reduce(context) -> Check:
 
     from gpupar.runtime.strategy import build_strategy
 
-    plan = context["plan"]
-    strategy = build_strategy(plan)
+    strategy = build_strategy(context["plan"])
     values = strategy.experimental_distribute_values_from_function(
         lambda ctx: tf.constant(float(ctx.replica_id_in_sync_group + 1)))
-    total = float(strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None))
-    expected = plan.num_replicas * (plan.num_replicas + 1) / 2
-    detail = f"{plan.describe().split(';')[0]}, all-reduce {plan.cross_device_ops or 'none'}: sum {total:g}"
-    if total == expected:
-        return Check("all-reduce", PASS, detail)
-    return Check("all-reduce", FAIL, f"{detail}, expected {expected:g}", "try --cross_device_ops=reduction_to_one_device "
-                 "(NCCL needs a working driver, and hierarchical_copy an even number of GPUs)")
+    return judge_all_reduce(context["plan"], float(strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)))
 
 
 def _xla(context) -> Check:
     from gpupar.models.layers import xla_batch_norm_error
 
     device = context["plan"].devices[0]
-    error = xla_batch_norm_error(device)
-    if error is None:
-        return Check("XLA batch norm", PASS, f"compiled on {device}")
-    return Check("XLA batch norm", FAIL, error, "CUDA's ptxas and libdevice are missing: pip install "
-                 "'tensorflow[and-cuda]' (gpupar falls back to Keras' batch norm meanwhile, slower)")
+    return judge_xla(device, xla_batch_norm_error(device))
 
 
 def _mixed_steps(context, steps: int = 20) -> Check:
@@ -143,39 +205,31 @@ def _mixed_steps(context, steps: int = 20) -> Check:
             return loss
 
         losses = [float(step()) for _ in range(steps)]
-    scale = float(optimizer.dynamic_scale.numpy())
-    detail = f"on {device}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, loss scale {scale:g}"
-    if np.isfinite(losses).all() and losses[-1] < losses[0] and scale >= 1:
-        return Check("mixed_float16 steps", PASS, detail)
-    return Check("mixed_float16 steps", FAIL, detail, "mixed_float16 does not train here: use precision=float32 (or "
-                 "mixed_bfloat16 on CPUs with bfloat16 units)")
+    return judge_mixed_steps(device, losses, float(optimizer.dynamic_scale.numpy()))
 
 
-_RUN: dict = {GPU_CHECKS[0]: _match, GPU_CHECKS[1]: _memory, "all-reduce": _all_reduce, "XLA batch norm": _xla,
-              "mixed_float16 steps": _mixed_steps}
+_RUN: dict = {MATCH: _match, MEMORY: _memory, ALL_REDUCE: _all_reduce, XLA: _xla, MIXED: _mixed_steps}
 
 
 def run_checks(config) -> List[Check]:
-    """Configures the devices as config says and runs every check that can run here."""
+    """Configures the devices as config says and runs every check that can run here.
+
+    NVML is read first, before TensorFlow maps any GPU memory: the memory check's baseline.
+    """
     import tensorflow as tf
 
     from gpupar.runtime.devices import configure_devices
-    from gpupar.runtime.nvml import installed_nvml
     from gpupar.runtime.strategy import detected_plan
 
-    configure_devices(config)
-    gpus = tf.config.list_physical_devices("GPU")
-    memory_setting = config.memory_growth or config.memory_limit_mb is not None or config.memory_fraction is not None
-    reasons = plan_checks(len(gpus), installed_nvml() is not None, memory_setting)
-    context = {"config": config,
+    nvml = installed_nvml()
+    before = read_gpus(nvml) if nvml else []
+    devices = configure_devices(config)
+    memory_setting = devices.memory_growth or devices.memory_limits_mb is not None
+    reasons = plan_checks(len(tf.config.list_physical_devices("GPU")), nvml is not None, memory_setting, len(before))
+    context = {"nvml": nvml, "before": before, "devices": devices,
                "plan": detected_plan("auto", config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1)}
-    results = []
-    for name in CHECKS:
-        if reasons[name] is not None:
-            results.append(Check(name, NOT_RUN, "", reasons[name]))
-            continue
-        results.append(_guarded(name, _RUN[name], context))
-    return results
+    return [_guarded(name, _RUN[name], context) if reasons[name] is None else Check(name, NOT_RUN, "", reasons[name])
+            for name in CHECKS]
 
 
 def _guarded(name: str, check: Callable, context) -> Check:

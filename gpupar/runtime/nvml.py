@@ -114,11 +114,21 @@ def installed_nvml():
 
 
 def tf_bus_ids() -> List[Optional[str]]:
-    """The PCI bus id of each of TensorFlow's GPUs, from its device descriptions (starts the runtime)."""
-    from tensorflow.python.client import device_lib
+    """The PCI bus id of each of TensorFlow's GPUs, from its device descriptions; starts TensorFlow's runtime.
 
+    device_lib makes its devices anew from the config it is given, and TensorFlow keeps the memory
+    allocator that the first device made of each GPU. So the runtime starts first (with the
+    configured growth and limits) and device_lib gets the runtime's config: with the default one
+    it would make the GPUs the runtime hides with default settings (taking all their memory), or
+    fail on them ("being mapped to multiple devices").
+    """
+    import tensorflow as tf
+    from tensorflow.python.client import device_lib
+    from tensorflow.python.eager import context
+
+    tf.config.list_logical_devices("GPU")  # starts the runtime with the configured settings
     found = []
-    for device in device_lib.list_local_devices():
+    for device in device_lib.list_local_devices(context.context().config):
         if device.device_type == "GPU":
             match = re.search(r"pci bus id: ([0-9a-fA-F:.]+)", device.physical_device_desc)
             found.append(match.group(1) if match else None)
