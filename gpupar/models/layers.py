@@ -1,6 +1,7 @@
 """Layers that gpupar uses in place of Keras' own, and the variable scope that keeps replicas consistent."""
 
 import contextlib
+import threading
 
 import keras
 import tensorflow as tf
@@ -33,6 +34,31 @@ def replica_consistent_state():
         yield
 
 
+_REPLICA_SEEDS = threading.local()  # how deep in replica_seeds() this thread is
+_INSTALL = threading.Lock()
+
+
+def _install_replica_seeds():
+    """Wraps Keras' SeedGenerator.next, once per process, so that it draws apart inside replica_seeds()."""
+    from keras.src.random.seed_generator import SeedGenerator
+
+    with _INSTALL:
+        keras_next = SeedGenerator.next
+        if getattr(keras_next, "gpupar_replica_seeds", False):
+            return
+
+        def next_on_this_replica(generator, ordered=True):
+            seed = keras_next(generator, ordered=ordered)
+            context = tf.distribute.get_replica_context()
+            if not getattr(_REPLICA_SEEDS, "depth", 0) or context is None or context.num_replicas_in_sync == 1:
+                return seed
+            replica = tf.cast(context.replica_id_in_sync_group, seed.dtype)
+            return seed + tf.stack([replica * tf.cast(7919, seed.dtype), tf.zeros_like(replica)])
+
+        next_on_this_replica.gpupar_replica_seeds = True
+        SeedGenerator.next = next_on_this_replica
+
+
 @contextlib.contextmanager
 def replica_seeds():
     """Makes every Keras random layer draw its own numbers on each replica, while the context is open.
@@ -43,24 +69,16 @@ def replica_seeds():
     seed drawn in a replica context of several replicas has the replica's index added to it, so
     the replicas draw apart; the generator's state still advances as Keras' does, so a resumed run
     draws what an uninterrupted one would. gpupar opens it around the model in its train step.
+    MirroredStrategy runs each replica's step in a thread of its own, so the context is kept per
+    thread, and Keras' method is wrapped once: swapping it in and out from several threads at
+    once could leave the swapped one in place.
     """
-    from keras.src.random.seed_generator import SeedGenerator
-
-    keras_next = SeedGenerator.next
-
-    def next_on_this_replica(generator, ordered=True):
-        seed = keras_next(generator, ordered=ordered)
-        context = tf.distribute.get_replica_context()
-        if context is None or context.num_replicas_in_sync == 1:
-            return seed
-        replica = tf.cast(context.replica_id_in_sync_group, seed.dtype)
-        return seed + tf.stack([replica * tf.cast(7919, seed.dtype), tf.zeros_like(replica)])
-
-    SeedGenerator.next = next_on_this_replica
+    _install_replica_seeds()
+    _REPLICA_SEEDS.depth = getattr(_REPLICA_SEEDS, "depth", 0) + 1
     try:
         yield
     finally:
-        SeedGenerator.next = keras_next
+        _REPLICA_SEEDS.depth -= 1
 
 
 @keras.saving.register_keras_serializable(package="gpupar")
