@@ -130,6 +130,37 @@ def test_keras_dropout_draws_another_mask_on_each_replica():
     assert (same_first == same_second).all()
 
 
+def test_replica_seeds_entered_from_many_threads_leave_keras_drawing_as_before():
+    """MirroredStrategy enters the context in a thread per replica; Keras must draw as before afterwards."""
+    import threading
+
+    from keras.src.random.seed_generator import SeedGenerator
+
+    from gpupar.models.layers import replica_seeds
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        generator = SeedGenerator(5)
+
+    def draw_in_replicas():
+        return [s.numpy().tolist() for s in strategy.experimental_local_results(strategy.run(generator.next))]
+
+    barrier = threading.Barrier(8)
+
+    def enter():
+        with replica_seeds():
+            barrier.wait()  # all inside at once, then all leave
+
+    threads = [threading.Thread(target=enter) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    first, second = draw_in_replicas()
+    assert first == second  # outside the context, Keras' own draw: the same seed on both replicas
+    assert getattr(SeedGenerator.next, "gpupar_replica_seeds", False)  # wrapped once, and left wrapped
+
+
 class _nothing:
     def __enter__(self):
         return self

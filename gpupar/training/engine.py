@@ -312,10 +312,10 @@ def _checked_objective(task, model, train):
     """
     x, y, sample_weight = unpack(tuple(train.sample()))
     y_pred = tf.nest.map_structure(lambda t: np.asarray(t, np.float32), model(x, training=False))
-    objective = Objective(task.loss, task.metrics, y, y_pred)
+    objective = Objective(task.loss, task.metrics, y, y_pred, getattr(model, "output_names", None))
     all_labels = train.data[1] if train.kind == ARRAYS else y  # every label where they are in memory
     for term in objective.losses:
-        if "sparse_categorical" in f"{term.name} {getattr(term.fn, '__name__', '')}":
+        if term.sparse:
             labels = np.asarray(all_labels if term.key is None else all_labels[term.key])
             classes = (y_pred if term.key is None else y_pred[term.key]).shape[-1]
             if labels.size and (labels.min() < 0 or labels.max() >= classes):

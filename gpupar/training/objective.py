@@ -37,6 +37,7 @@ class LossTerm:
     fn: Callable
     reduction: str
     name: str
+    sparse: bool = False  # sparse categorical cross-entropy: integer labels that must index the outputs
 
 
 @dataclasses.dataclass
@@ -73,14 +74,16 @@ def _loss_term(spec, key, where) -> LossTerm:
                               "keras.losses.Loss or a function(y_true, y_pred)")
     if isinstance(spec, type) and issubclass(spec, keras.losses.Loss):
         spec = spec()
+    # Keras' loss objects keep their function as .fn; the name can be the user's own.
+    sparse = getattr(spec, "fn", spec) is keras.losses.sparse_categorical_crossentropy
     if isinstance(spec, keras.losses.Loss):
         reduction = spec.reduction
         if reduction not in REDUCTIONS:
             raise GpuparError(f"loss{where}: reduction={reduction!r} leaves the loss unreduced; gpupar averages it over "
                               f"the global batch as the reduction says: use one of {', '.join(REDUCTIONS)}")
-        return LossTerm(key, spec.call, reduction, spec.name)
+        return LossTerm(key, spec.call, reduction, spec.name, sparse)
     if callable(spec):
-        return LossTerm(key, spec, "sum_over_batch_size", getattr(spec, "__name__", "loss"))
+        return LossTerm(key, spec, "sum_over_batch_size", getattr(spec, "__name__", "loss"), sparse)
     raise GpuparError(f"loss{where} is a {type(spec).__name__}; give a Keras loss name, a keras.losses.Loss or a "
                       "function(y_true, y_pred)")
 
@@ -126,9 +129,11 @@ def _by_output(spec, keys, what):
             raise GpuparError(f"{what} names output(s) {sorted(unknown)} that the model does not have (its outputs: "
                               f"{keys})")
         return dict(spec)
-    if what == "loss" and isinstance(spec, (list, tuple)) and len(keys) > 1:
+    # A list of one entry per output: for the loss any list, for the metrics a list of lists.
+    per_output = what == "loss" or all(item is None or isinstance(item, (list, tuple)) for item in spec or (0,))
+    if isinstance(spec, (list, tuple)) and len(keys) > 1 and per_output:
         if len(spec) != len(keys):
-            raise GpuparError(f"loss is a list of {len(spec)} but the model has {len(keys)} outputs")
+            raise GpuparError(f"{what} is a list of {len(spec)} but the model has {len(keys)} outputs")
         return dict(zip(keys, spec))
     return {key: spec for key in keys}
 
@@ -141,7 +146,9 @@ class Objective:
       metrics: One MetricTerm per output and metric.
     """
 
-    def __init__(self, loss, metrics, sample_y, sample_y_pred):
+    def __init__(self, loss, metrics, sample_y, sample_y_pred, output_names=None):
+        """Args: the loss and metrics as given, one batch of labels and of the model's outputs, and
+        the model's output names, which name the metrics of a list of outputs as Keras does."""
         keys = _output_keys(sample_y_pred)
         losses = _by_output(loss, keys, "loss")
         self.losses = [_loss_term(spec, key, f"[{key!r}]" if key is not None else "")
@@ -150,10 +157,11 @@ class Objective:
             raise GpuparError("loss is None for every output; give a loss for at least one")
         self.metrics: List[MetricTerm] = []
         for key, specs in _by_output(metrics or (), keys, "metrics").items():
-            for spec in ([specs] if isinstance(specs, (str, keras.metrics.Metric)) or callable(specs) else specs):
+            for spec in ([specs] if isinstance(specs, (str, keras.metrics.Metric)) or callable(specs) else specs or ()):
                 where = f"[{key!r}]" if key is not None else ""
                 metric = _metric(spec, _part(sample_y, key), _part(sample_y_pred, key), where)
-                name = metric.name if key is None else f"{key}_{metric.name}"
+                output = key if not isinstance(key, int) or not output_names else output_names[key]
+                name = metric.name if key is None else f"{output}_{metric.name}"
                 self.metrics.append(MetricTerm(key, metric, name))
         names = [m.name for m in self.metrics]
         if len(set(names)) != len(names) or "loss" in names:
