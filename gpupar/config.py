@@ -83,6 +83,7 @@ class Config:
       intra_op_threads: Threads one op may use; empty lets gpupar choose from the cores and replicas, 0 leaves it to TensorFlow.
       inter_op_threads: Ops run at once; empty lets gpupar choose from the cores and replicas, 0 leaves it to TensorFlow.
       slurm_ps: Under SLURM, how many tasks are parameter servers (after task 0, the chief); 0 for synchronous.
+      ps_shards: parameter_server: split each variable of 256 KiB or more into up to this many shards over the ps tasks (1: none); empty: one per ps task.
     """
 
     epochs: int = 5
@@ -134,6 +135,7 @@ class Config:
     intra_op_threads: Optional[int] = None
     inter_op_threads: Optional[int] = None
     slurm_ps: int = 0
+    ps_shards: Optional[int] = None
 
     def __post_init__(self):
         object.__setattr__(self, "gpus", _parse_gpus(self.gpus))
@@ -313,7 +315,7 @@ def _is_number(value):
 _WHOLE = {"epochs": 0, "batch_size": 1, "accumulate_steps": 1, "display_step": 1, "slurm_ps": 0, "lstm_layers": 1, "lstm_units": 1,
           "microbatches": 1}
 _OPTIONAL_WHOLE = {"memory_limit_mb": 1, "virtual_cpus": 1, "max_to_keep": 1, "checkpoint_every_steps": 1,
-                   "steps_per_epoch": 1, "num_parallel_calls": 1, "data_threads": 1, "steps_per_call": 1,
+                   "steps_per_epoch": 1, "num_parallel_calls": 1, "ps_shards": 1, "data_threads": 1, "steps_per_call": 1,
                    "intra_op_threads": 0, "inter_op_threads": 0}
 _RANGES = {"learning_rate": ("a number > 0", lambda v: v > 0), "dropout": ("a rate in [0, 1)", lambda v: 0 <= v < 1),
            "stop_at_accuracy": ("an accuracy in (0, 1], e.g. 0.89", lambda v: 0 < v <= 1),
@@ -331,7 +333,7 @@ def _validate(c: Config):
     _validate_devices(c)
     _validate_data(c)
     _validate_outputs(c)
-    check_mode(c, run_mode(c))
+    check_mode(c, run_mode(c), decided=False)
 
 
 def _validate_values(c: Config):
@@ -399,13 +401,17 @@ def run_mode(config: Config, cluster=None) -> str:
     return SYNCHRONOUS
 
 
-def check_mode(c: Config, mode: str):
+def check_mode(c: Config, mode: str, decided: bool = True):
     """Refuses the options that `mode` does not run, rather than ignoring them: every mode refusal is here.
 
-    Config checks its own strategy's mode when it is built; a run checks again once its cluster
-    has decided what strategy=auto means.
+    Config checks its own strategy's mode when it is built (decided=False: strategy=auto may
+    still become parameter_server in a cluster with ps tasks); a run checks again once its
+    cluster has decided what strategy=auto means.
     """
     name = "parameter_server" if mode == PARAMETER_SERVERS else MODEL_PARALLEL
+    if mode != PARAMETER_SERVERS and (decided or c.strategy != "auto"):
+        _check(c.ps_shards is None, f"ps_shards={c.ps_shards} splits variables over the ps tasks of "
+               "strategy=parameter_server; drop it, or train with parameter servers")
     if mode != PIPELINE:
         _check(c.microbatches == 1, f"microbatches={c.microbatches} pipelines the stages of strategy=model_parallel; "
                "pass strategy=model_parallel, or microbatches=1")

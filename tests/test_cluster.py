@@ -8,6 +8,8 @@ import sys
 import pytest
 import yaml
 
+import gpupar
+
 from conftest import ROOT
 
 from gpupar.runtime.cluster import detect_cluster, parse_tf_config, tf_config
@@ -227,3 +229,24 @@ def test_the_documented_tfjob_gives_gpupar_its_cluster():
     assert policy["podSelector"]["matchLabels"] == own and policy["policyTypes"] == ["Ingress"]
     (rule,) = policy["ingress"]
     assert rule["from"] == [{"podSelector": {"matchLabels": own}}] and rule["ports"] == [{"port": 2222}]
+
+
+def test_large_variables_split_over_the_ps_tasks_unless_told_otherwise():
+    from gpupar.runtime.strategy import max_shards
+
+    assert max_shards(num_ps=2, ps_shards=None) == 2  # one shard per ps task
+    assert max_shards(num_ps=1, ps_shards=None) == 1  # nothing to split over
+    assert max_shards(num_ps=4, ps_shards=2) == 2 and max_shards(num_ps=2, ps_shards=1) == 1
+    assert max_shards(num_ps=2, ps_shards=8) == 2  # never two shards of one variable on one ps task
+
+
+def test_ps_shards_is_refused_where_there_are_no_parameter_servers():
+    assert gpupar.Config(ps_shards=2).ps_shards == 2  # strategy=auto may still find ps tasks in a cluster
+    with pytest.raises(GpuparError, match=r"ps_shards=2 splits variables over the ps tasks of strategy=parameter_server"):
+        gpupar.Config(ps_shards=2, strategy="mirrored")
+    with pytest.raises(GpuparError, match=r"ps_shards=0: must be a whole number > 0"):
+        gpupar.Config(ps_shards=0)
+    from gpupar.config import SYNCHRONOUS, check_mode
+
+    with pytest.raises(GpuparError, match="ps_shards=2 splits variables"):
+        check_mode(gpupar.Config(ps_shards=2), SYNCHRONOUS)  # auto, once a run found no ps tasks

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import signal
+import sys
 
 import pytest
 
@@ -74,3 +75,69 @@ def test_coordinator_survives_a_worker_killed_and_restarted(ps_data, tmp_path):
     assert [r["epoch"] for r in metrics["history"]] == [0, 1, 2, 3]
     assert all(r["steps"] == 32 for r in metrics["history"])  # no step lost: the coordinator re-ran them
     assert metrics["logs"]["val_accuracy"] > 0.5
+
+
+USER_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "user_dataset_fn.py")
+
+
+def _user_launch(args, model_dir, epochs, *extra):
+    return Launch(args, [sys.executable, USER_SCRIPT, str(model_dir), str(epochs), *extra])
+
+
+@pytest.mark.slow
+def test_a_users_script_trains_on_parameter_servers_with_its_embedding_split_over_them(tmp_path):
+    launch = _user_launch(["--workers=2", "--ps=2"], tmp_path / "model", 3)
+    status = launch.finish(timeout=240)
+    assert status == 0, _chief_lines(launch.output)[-4000:]
+    launch.assert_no_strays()
+    out = launch.output
+    assert "[chief:0] variable sequential/embed/embeddings (8192, 16) in 2 shards, on ps:0, ps:1" in out
+    assert "[chief:0] evaluation: on the chief, reading the variables from the ps tasks" in out
+    metrics = json.loads((tmp_path / "model" / "metrics.json").read_text())
+    assert [r["steps"] for r in metrics["history"]] == [32, 32, 32]  # a pass of the dataset_fn per epoch
+    assert metrics["history"][-1]["logs"]["loss"] < 0.5 * metrics["history"][0]["logs"]["loss"]
+    assert metrics["logs"]["val_accuracy"] > 0.9  # chance is about 0.5
+    # The split embedding was saved in slices of one tensor: an unsplit model restores it.
+    weights = float(re.search(r"user_dataset_fn done: .*weights (\S+)", out)[1])
+    import keras
+    import tensorflow as tf
+
+    model = keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(8192, 16),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(2)])
+    tf.train.Checkpoint(model=model).restore(str(tmp_path / "model" / "ckpt-3")).expect_partial()
+    assert sum(float(w.sum()) for w in model.get_weights()) == pytest.approx(weights, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_a_users_script_on_parameter_servers_survives_a_killed_worker_and_a_restarted_chief(tmp_path):
+    model_dir = tmp_path / "model"
+    launch = _user_launch(["--workers=2", "--ps=1", "--restarts=1"], model_dir, 30)
+    try:
+        launch.wait_for(r"\[chief:0\] Epoch:\[0\] loss:.*val_accuracy", timeout=180)
+        os.kill(task_pids(launch.output)["worker:1"][0], signal.SIGKILL)
+        status = launch.finish(timeout=300)
+    finally:
+        launch.kill_all()
+    assert status == 0, _chief_lines(launch.output)[-6000:]
+    launch.assert_no_strays()
+    assert "worker:1 ended with status -9; restarting it" in launch.output
+    metrics = json.loads((model_dir / "metrics.json").read_text())
+    assert len(metrics["history"]) == 30 and all(r["steps"] == 32 for r in metrics["history"])  # no step lost
+    # The chief (the whole cluster) started again with more epochs continues from its checkpoint.
+    again = _user_launch(["--workers=2", "--ps=1"], model_dir, 32)
+    assert again.finish(timeout=240) == 0, _chief_lines(again.output)[-4000:]
+    again.assert_no_strays()
+    assert re.search(r"\[chief:0\] resumed from \S+ckpt-30 after 30 epoch\(s\)", again.output), again.output[-3000:]
+    history = json.loads((model_dir / "metrics.json").read_text())["history"]
+    assert [r["epoch"] for r in history] == list(range(32)) and history[-1]["resumed_at_step"] == 0
+
+
+@pytest.mark.slow
+def test_arrays_for_parameter_servers_are_refused_naming_dataset_fn(tmp_path):
+    launch = _user_launch(["--workers=2", "--ps=1"], tmp_path / "model", 1, "arrays")
+    assert launch.finish(timeout=180) == 1
+    launch.assert_no_strays()
+    assert re.search(r"\[chief:0\] gpupar.errors.GpuparError: strategy=parameter_server needs train_data as a "
+                     r"dataset_fn\(input_context\), not arrays of 1024 examples", launch.output), launch.output[-3000:]
+    assert not os.path.exists(tmp_path / "model" / "checkpoint")

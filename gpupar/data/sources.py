@@ -83,10 +83,15 @@ class Source:
         return dataset if limit is None else dataset.take(limit)
 
     def evaluation(self, global_batch: int):
-        """(the whole set in global batches, the last partial one included, repeated; batches in one pass)."""
+        """(the whole set in global batches, the last partial one included, repeated; batches in one pass).
+
+        A dataset_fn's batches are its own, from one input pipeline of one replica.
+        """
         if self.kind == ARRAYS:
             return (pipeline.eval_dataset(self.data, global_batch, self.transform),
                     pipeline.test_steps(self.num_examples, global_batch))
+        if self.kind == DATASET_FN:
+            return self.data(_input_context(1)).repeat().prefetch(tf.data.AUTOTUNE), self.batches
         dataset = self.data.batch(global_batch).repeat().prefetch(tf.data.AUTOTUNE).with_options(pipeline.options())
         return dataset, math.ceil(self.num_examples / global_batch)
 

@@ -278,11 +278,24 @@ def check_jit_compile(jit_compile: bool, plan: Plan):
                           "all-reduce between CPU devices); drop jit_compile or use one device")
 
 
-def build_strategy(plan: Plan):
+SHARD_BYTES = 256 << 10  # parameter servers: variables this large or larger are split, in shards at least this large
+
+
+def max_shards(num_ps: int, ps_shards: Optional[int]) -> int:
+    """Parameter servers: the most shards one large variable is split into (1: none split).
+
+    ps_shards None splits over every ps task; more shards than ps tasks would put two on one.
+    """
+    return min(num_ps, ps_shards or num_ps)
+
+
+def build_strategy(plan: Plan, ps_shards: Optional[int] = None):
     """Creates the tf.distribute.Strategy a Plan describes.
 
     Args:
       plan: From plan_strategy.
+      ps_shards: parameter_server: split each variable of SHARD_BYTES or more into up to this
+        many shards over the ps tasks (max_shards); None: one per ps task.
 
     Returns:
       The strategy.
@@ -293,7 +306,7 @@ def build_strategy(plan: Plan):
     import tensorflow as tf
 
     if plan.kind in CLUSTER_KINDS:
-        return _build_cluster_strategy(tf, plan)
+        return _build_cluster_strategy(tf, plan, ps_shards)
     if plan.kind == "one_device":
         return tf.distribute.OneDeviceStrategy(plan.devices[0])
     if plan.kind == "central_storage":
@@ -308,11 +321,12 @@ def build_strategy(plan: Plan):
     return tf.distribute.MirroredStrategy(list(plan.devices), cross_device_ops=all_reduce)
 
 
-def _build_cluster_strategy(tf, plan: Plan):
+def _build_cluster_strategy(tf, plan: Plan, ps_shards: Optional[int] = None):
     """MultiWorkerMirroredStrategy or ParameterServerStrategy on the plan's cluster, checked.
 
     The resolver is built from the parsed cluster, so the strategy sees exactly the cluster that
-    was validated; the check after creation catches a strategy that still sees one worker.
+    was validated; the check after creating a multi-worker one catches a strategy that still sees
+    one worker.
     """
     c = plan.cluster
     warn_if_reachable(c.task_name, c.jobs[c.task_type][c.task_index])
@@ -321,30 +335,31 @@ def _build_cluster_strategy(tf, plan: Plan):
         task_type=c.task_type, task_id=c.task_index, rpc_layer="grpc",
     )
     if plan.kind == "parameter_server":
-        strategy = tf.distribute.ParameterServerStrategy(resolver)
-        seen, expected, what = len(strategy.extended.parameter_devices), c.num_ps, "parameter servers"
-    else:
-        implementation = {
-            "ring": tf.distribute.experimental.CommunicationImplementation.RING,
-            "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
-        }[plan.cross_device_ops]
-        try:
-            strategy = tf.distribute.MultiWorkerMirroredStrategy(
-                cluster_resolver=resolver,
-                communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation),
-            )
-        except RuntimeError as e:  # "Collective ops must be configured at program startup"
-            raise TensorFlowStarted(
-                f"MultiWorkerMirroredStrategy could not join the cluster: TensorFlow was already running "
-                f"in this process ({e}). Create it first thing in each task: call gpupar.fit_mnist or "
-                "gpupar.make_strategy before any other TensorFlow work, in a fresh process"
-            ) from None
-        seen, expected, what = strategy.num_replicas_in_sync, plan.num_replicas, "replicas"
-    if seen != expected:
+        shards = max_shards(c.num_ps, ps_shards)
+        partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+            min_shard_bytes=SHARD_BYTES, max_shards=shards) if shards > 1 else None
+        # It connects to the cluster's servers whenever it is made, so there is nothing to check after.
+        return tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
+    implementation = {
+        "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+        "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+    }[plan.cross_device_ops]
+    try:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=resolver,
+            communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation),
+        )
+    except RuntimeError as e:  # "Collective ops must be configured at program startup"
         raise TensorFlowStarted(
-            f"{_CLASS_NAMES[plan.kind]} sees {seen} {what}, but the cluster has {expected}: "
-            "TensorFlow was set up before the strategy. Create it first thing in each task (gpupar does, "
-            "unless other TensorFlow work ran earlier in this process)"
+            f"MultiWorkerMirroredStrategy could not join the cluster: TensorFlow was already running "
+            f"in this process ({e}). Create it first thing in each task: call gpupar.fit_mnist or "
+            "gpupar.make_strategy before any other TensorFlow work, in a fresh process"
+        ) from None
+    if strategy.num_replicas_in_sync != plan.num_replicas:
+        raise TensorFlowStarted(
+            f"MultiWorkerMirroredStrategy sees {strategy.num_replicas_in_sync} replicas, but the cluster has "
+            f"{plan.num_replicas}: TensorFlow was set up before the strategy. Create it first thing in each task "
+            "(gpupar does, unless other TensorFlow work ran earlier in this process)"
         )
     return strategy
 

@@ -65,6 +65,8 @@ class Engine:
       updates: The optimizer's update counter (it stands still on a skipped step).
       input_pipelines: Input pipelines of the strategy: one per worker.
       stage_of: The pipeline stage of each layer of a chain model (model_parallel), else None.
+      updated_variables: What the optimizer updates: the trainable variables, or their shards
+        where a variable is split over parameter servers.
     """
 
     description: str
@@ -89,6 +91,7 @@ class Engine:
     updates: Any = None
     input_pipelines: int = 1
     stage_of: Optional[Sequence[int]] = None
+    updated_variables: Sequence = ()
     input: Any = None
 
     def start(self, first_step: int):
@@ -126,6 +129,8 @@ class _Placement:
     stage_devices: Optional[Sequence[str]] = None  # a pipeline's: where each stage's variables live
     stage_ends: Optional[Sequence] = None  # a pipeline's: where its stages end
     pipelines: int = 1  # input pipelines: one per worker
+    # model -> (the variables the optimizer updates, a log line per variable split over ps tasks)
+    update_variables: Callable = lambda model: (model.trainable_variables, [])
 
 
 def _place_synchronous(config, cluster, task):
@@ -153,9 +158,10 @@ def _place_pipeline(config, cluster, task):
 
 def _place_parameter_servers(config, cluster, task):
     plan = detected_plan(config.strategy, config.devices, config.cross_device_ops, cluster=cluster)
-    strategy = build_strategy(plan)
+    strategy = build_strategy(plan, config.ps_shards)
     # Each step trains one worker's batch, on its own.
-    return _Placement(plan.describe(), strategy, plan.num_replicas, 1, strategy.scope, plan.devices)
+    return _Placement(plan.describe(), strategy, plan.num_replicas, 1, strategy.scope, plan.devices,
+                      update_variables=parameter_server.update_variables)
 
 
 def build_engine(config, task, cluster=None) -> Engine:
@@ -173,9 +179,6 @@ def build_engine(config, task, cluster=None) -> Engine:
       GpuparError: bad devices, data, model, loss or metrics, found before any training step.
     """
     mode = run_mode(config, cluster)
-    if mode == PARAMETER_SERVERS and not task.preset:
-        raise GpuparError(f"strategy={config.strategy} trains gpupar's own models so far; for your model use a "
-                          "synchronous strategy (auto, one_device, mirrored, central_storage, multi_worker_mirrored)")
     try:
         devices = configure_devices(config)
         placement = _PLACEMENTS[mode](config, cluster, task)
@@ -198,7 +201,8 @@ def build_engine(config, task, cluster=None) -> Engine:
     if train.resume_note and config.resume is not False:
         log.info("resume: %s", train.resume_note)
     global_batch = config.batch_size * placement.batch_replicas * config.accumulate_steps  # examples per update
-    steps_per_epoch = train.steps_per_epoch(global_batch, placement.replicas // placement.pipelines)
+    # A dataset_fn's per-replica batches: each input pipeline gives those of its replicas that share a step.
+    steps_per_epoch = train.steps_per_epoch(global_batch, placement.batch_replicas // placement.pipelines)
     if config.steps_per_epoch is not None:
         steps_per_epoch = min(steps_per_epoch or config.steps_per_epoch, config.steps_per_epoch)
     if steps_per_epoch is None:
@@ -213,15 +217,18 @@ def build_engine(config, task, cluster=None) -> Engine:
         with placement.scope():
             with replica_consistent_state():  # the model's state only: the optimizer's keeps Keras' aggregation
                 model, stage_of = _built_model(task, placement, train)
+            updated, split = placement.update_variables(model)
             inner = _optimizer(task.optimizer, config)
             applied = _loss_scaled(inner, config)
-            applied.build(model.trainable_variables)  # each slot variable is placed beside its variable
+            applied.build(updated)  # each slot variable is placed beside its variable
     finally:
         keras.config.set_dtype_policy(previous_policy)
     if on_gpus and fall_back_from_xla(model, xla_batch_norm_error(placement.devices[0])):
         log.warning("XLA could not compile the batch norm on %s, so it runs as Keras' BatchNormalization (the same "
                     "variables, slower): CUDA's ptxas and libdevice are missing; pip install 'tensorflow[and-cuda]' "
                     "brings them", placement.devices[0])
+    for line in split:
+        log.info("variable %s", line)
     objective = _checked_objective(task, model, train)
     model.optimizer = applied  # where Keras' callbacks (ReduceLROnPlateau, LearningRateScheduler) look for it
     if config.accumulate_steps > 1:
@@ -241,6 +248,7 @@ def build_engine(config, task, cluster=None) -> Engine:
         signature=task.signature or _signature(model),
         learning_rate=None if task.optimizer is not None else config.learning_rate, visible_gpus=devices.visible_gpus,
         on_gpus=on_gpus, updates=inner.iterations, input_pipelines=placement.pipelines, stage_of=stage_of,
+        updated_variables=updated,
     )
     _BUILDERS[mode](engine, config, task, train, evaluation)
     return engine
@@ -402,19 +410,30 @@ def _pipeline(engine: Engine, config, task, train, evaluation):
 
 
 def _parameter_servers(engine: Engine, config, task, train, evaluation):
-    """Workers step asynchronously on variables that live on the parameter servers; the chief schedules (the presets)."""
+    """Workers step asynchronously on variables that live on the parameter servers; the chief schedules and evaluates."""
+    if train.kind != DATASET_FN and not task.preset:
+        raise GpuparError(f"strategy=parameter_server needs train_data as a dataset_fn(input_context), not "
+                          f"{train.description}: each worker makes its own input pipeline with it (arrays or a dataset "
+                          "made here would be copied into every worker's graph)")
     strategy, num_workers = engine.strategy, engine.replicas
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     scheduler = parameter_server.Scheduler(coordinator, parameter_server.make_worker_step(
-        strategy, engine.model, engine.optimizer), num_workers)
+        strategy, engine.model, engine.update_optimizer, engine.objective, engine.updated_variables), num_workers)
     engine.run_steps = lambda iterator, num_steps, first_call: scheduler.schedule(iterator, num_steps)
     engine.finish = scheduler.finish
     # Unless told otherwise, a call per step: an epoch spreads evenly over the workers.
     engine.steps_per_call = config.steps_per_call or 1
 
     def make_input(first_step, limit=None):
-        def worker_dataset(_context):
-            # This worker's shard of the seeded batch order, from where the checkpoint left off.
+        if train.kind == DATASET_FN and first_step:
+            log.info("resume: each worker's pipeline skips %d batches, its share of the %d steps already trained "
+                     "(which worker trained which is not recorded)", first_step // num_workers, first_step)
+
+        def worker_dataset(context):
+            if train.kind == DATASET_FN:  # this worker's own pipeline
+                dataset = train.data(context).repeat().skip(first_step // num_workers)
+                return dataset if limit is None else dataset.take(limit)
+            # The preset's arrays: this worker's shard of the seeded batch order, from where the checkpoint left off.
             worker = tf.distribute.coordinator.experimental_get_current_worker_index()
             return train.training(engine.global_batch, config.seed, first_step, limit, config).shard(num_workers,
                                                                                                    worker)
@@ -423,8 +442,12 @@ def _parameter_servers(engine: Engine, config, task, train, evaluation):
             tf.function(lambda: strategy.distribute_datasets_from_function(worker_dataset)))))
 
     engine.make_input = make_input
-    dataset, steps = evaluation.evaluation(engine.global_batch)  # on the chief
-    engine.evaluate = make_evaluation(parameter_server.make_evaluate_function(engine.model),
+    if evaluation is None:
+        engine.evaluate = _no_evaluation
+        return
+    log.info("evaluation: on the chief, reading the variables from the ps tasks")
+    dataset, steps = evaluation.evaluation(engine.global_batch)
+    engine.evaluate = make_evaluation(make_evaluate_function(None, engine.model, engine.objective),
                                       keep_for_process(iter(dataset)), steps, engine.objective, engine.model)
 
 

@@ -1,20 +1,25 @@
 """Asynchronous data parallelism: ParameterServerStrategy with a ClusterCoordinator.
 
-The chief is the coordinator: it builds the Keras 3 ConvNet and its Adam optimizer under
-`strategy.scope()`, which places every variable (weights, batch-norm statistics, Adam's moments)
-on the parameter servers, then schedules train steps onto the workers. Each scheduled step runs
-on one worker: it reads the current variables, computes the gradients of its own batch and
-applies them with Adam without waiting for any other worker. Keras 3's `model.fit` does not
-support this strategy (keras-team/keras#18624), but its model and optimizer work inside such a
-custom step. Worker and ps tasks only run a tf.distribute.Server until they are stopped.
+    gpupar launch --workers=2 --ps=1 -- python train.py     # train.py: gpupar.fit(model_fn, dataset_fn, ...)
 
-An epoch is one pass over the training set in total: `steps_per_epoch` steps of `batch_size`
-examples, spread over the workers as they free up. Each worker reads its own shard (batches
-w, w+N, w+2N... of the seeded order), so together they see every batch once per pass.
+The chief is the coordinator: it builds the model and its optimizer under `strategy.scope()`,
+which places every variable (weights, batch-norm statistics, the optimizer's slots) on the
+parameter servers, a variable of 256 KiB or more split into shards over them, then schedules
+train steps onto the workers. Each scheduled step runs on one worker: it reads the current
+variables, computes the gradients of its own batch and applies them without waiting for any
+other worker. Keras 3's `model.fit` does not support this strategy (keras-team/keras#18624),
+but its models and optimizers work inside such a custom step. Worker and ps tasks only run a
+tf.distribute.Server until they are stopped. The chief evaluates, reading the variables from
+the ps tasks.
+
+An epoch is `steps_per_epoch` steps in total, spread over the workers as they free up. The
+MNIST presets' workers read their own shard of the seeded batch order (batches w, w+N, ...), so
+together they see every batch once per pass; a dataset_fn gives each worker its own pipeline.
 """
 
 import collections
 import logging
+import re
 
 import keras
 import numpy as np
@@ -24,7 +29,7 @@ from gpupar.runtime.cluster import Cluster
 from gpupar.runtime.devices import configure_devices
 from gpupar.runtime.network import warn_if_reachable
 from gpupar.runtime.strategy import plan_strategy
-from gpupar.training.steps import Results, count_correct, steps_in_one_call
+from gpupar.training.steps import Results, steps_in_one_call, unpack
 
 log = logging.getLogger("gpupar")
 IN_FLIGHT_PER_WORKER = 2  # scheduled calls not yet fetched, per worker: enough to keep each busy
@@ -80,22 +85,78 @@ def serve(config, cluster: Cluster):
     server.join()
 
 
-def make_worker_step(strategy, model, optimizer):
-    """Returns train(iterator, num_steps) -> (loss sum, accuracy state, worker index), run on one worker.
+def update_variables(model):
+    """The variables the optimizer updates, one per shard of a variable split over the ps tasks.
 
-    The accuracy state is SparseCategoricalAccuracy's, (correct, examples), as the MNIST preset's.
+    Keras' variables can hold a tf.distribute ShardedVariable (the strategy's partitioner made
+    it), but Keras can neither differentiate with respect to one nor update it. So each shard
+    gets a Keras variable of its own for the optimizer (its slots then sit beside the shard, on
+    the shard's ps task), and the model's variable saves and restores as the ShardedVariable
+    does: in slices of one tensor, which an unsplit variable restores too.
+
+    Returns:
+      (the variables to differentiate and update, one line per split variable for the log).
+    """
+    updated, split = [], []
+    for variable in model.trainable_variables:
+        shards = getattr(variable.value, "variables", None)
+        if shards is None:
+            updated.append(variable)
+            continue
+        with tf.variable_creator_scope(lambda _next, shard_iter=iter(shards), **_: next(shard_iter)):
+            updated += [keras.Variable(initializer="zeros", shape=s.shape, dtype=s.dtype, name=f"{variable.name}_shard{i}")
+                        for i, s in enumerate(shards)]
+        variable.__class__ = _sharded_class(type(variable))
+        split.append(f"{variable.path} {tuple(variable.shape)} in {len(shards)} shards, on "
+                     f"{', '.join(_task(s.device) for s in shards)}")
+    for model_variable in model.non_trainable_variables:
+        if getattr(model_variable.value, "variables", None) is not None:
+            model_variable.__class__ = _sharded_class(type(model_variable))
+    return updated, split
+
+
+def _task(device: str) -> str:
+    """'/job:ps/replica:0/task:1/device:CPU:0' -> 'ps:1'."""
+    match = re.search(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)", device)
+    return f"{match[1]}:{match[2]}" if match else device
+
+
+def _sharded_class(keras_class):
+    """keras_class, saving as the ShardedVariable it holds (TensorFlow then saves each shard as a slice)."""
+    if getattr(keras_class, "holds_shards", False):
+        return keras_class
+
+    class ShardedKerasVariable(keras_class):
+        holds_shards = True
+
+        def _gather_saveables_for_checkpoint(self):
+            return self.value._gather_saveables_for_checkpoint()
+
+    return ShardedKerasVariable
+
+
+def make_worker_step(strategy, model, optimizer, objective, variables):
+    """Returns train(iterator, num_steps) -> (loss sum, metric states, worker index), run on one worker.
+
+    Each step is the worker's own: the loss of its batch (as the objective's reduction says)
+    plus the regularisation losses, differentiated with respect to `variables`
+    (update_variables) and applied at once, without waiting for the other workers.
     """
 
-    def replica_step(images, labels):
+    def replica_step(batch):
+        x, y, sample_weight = unpack(batch)
         with tf.GradientTape() as tape:
-            logits = model(images, training=True)
-            per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
-            loss = tf.reduce_mean(per_example) + tf.add_n(model.losses)  # one replica: its batch is the batch
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply(grads, model.trainable_variables)  # on the ps tasks, without waiting for others
-        return loss, [count_correct(logits, labels), tf.cast(tf.shape(labels)[0], tf.float32)]
+            y_pred = tf.nest.map_structure(lambda t: tf.cast(t, tf.float32), model(x, training=True))
+            numerators, denominators = objective.terms(y, y_pred, sample_weight)
+            loss = tf.reduce_sum(tf.math.divide_no_nan(numerators, denominators))  # one replica: its batch is the batch
+            if model.losses:
+                loss += tf.add_n(model.losses)
+        grads = tape.gradient(loss, [v.value for v in variables])
+        optimizer.apply(grads, variables)  # on the ps tasks, without waiting for others
+        return loss, objective.metric_states(y, y_pred, sample_weight)
 
-    steps = steps_in_one_call(lambda batch: strategy.run(replica_step, args=batch), (0.0, [0.0, 0.0]))
+    steps = steps_in_one_call(lambda batch: strategy.run(replica_step, args=(batch,)),
+                              (0.0, objective.zero_states()))
 
     @tf.function
     def train(iterator, num_steps):
@@ -103,19 +164,6 @@ def make_worker_step(strategy, model, optimizer):
         return loss, states, tf.distribute.coordinator.experimental_get_current_worker_index()
 
     return train
-
-
-def make_evaluate_function(model):
-    """Returns evaluate(iterator, num_steps) -> (loss numerators, denominators, accuracy state), on the chief."""
-
-    def batch_step(batch):
-        images, labels = batch
-        logits = model(images, training=False)
-        count = tf.cast(tf.shape(labels)[0], tf.float32)
-        loss_sum = tf.reduce_sum(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
-        return tf.stack([loss_sum]), tf.stack([count]), [count_correct(logits, labels), count]
-
-    return steps_in_one_call(batch_step, (np.zeros(1), np.zeros(1), [0.0, 0.0]))
 
 
 class Scheduler:
@@ -134,7 +182,7 @@ class Scheduler:
     def _collect(self) -> Results:
         num_steps, remote = self.pending.popleft()
         loss, states, worker = _fetch(self.coordinator, remote)
-        return Results(num_steps, float(loss), [float(s) for s in states], by_worker={int(worker): num_steps})
+        return Results(num_steps, float(loss), [np.asarray(s) for s in states], by_worker={int(worker): num_steps})
 
     def schedule(self, iterator, num_steps: int) -> Results:
         """Schedules one call of num_steps steps; returns the results of the calls that finished meanwhile."""

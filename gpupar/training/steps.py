@@ -51,12 +51,6 @@ class Results:
                        plus(self.waited, other.waited), plus(self.busy, other.busy), workers)
 
 
-def count_correct(logits, labels):
-    """How many of the batch's argmax predictions equal the labels, as a float32 scalar."""
-    predictions = tf.argmax(logits, axis=1, output_type=labels.dtype)
-    return tf.reduce_sum(tf.cast(tf.equal(predictions, labels), tf.float32))
-
-
 def all_finite(tensors):
     """A scalar bool: no NaN or Inf in any of the tensors."""
     return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])

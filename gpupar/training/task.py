@@ -25,7 +25,8 @@ class Task:
       callbacks: Keras callbacks.
       signature: The model and its shape-defining options for checkpoints; None: read off the built model.
       device_transform: device_transform(x, step) on each replica's inputs (the preset's augmentation), or None.
-      preset: Whether this is a gpupar model (parameter_server trains only those yet).
+      preset: Whether this is an MNIST preset, whose arrays parameter servers shard per worker
+        (a user's training data must come as a dataset_fn there).
       stage_ends: Where the model's pipeline stages end, for strategy=model_parallel when the
         config gives no stages (the presets' own split); None: the config must give them.
       early_start: What among the arguments started TensorFlow before gpupar could set up its
