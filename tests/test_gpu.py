@@ -194,6 +194,38 @@ def test_the_sums_stay_on_the_replicas_until_the_call_ends():
     assert (float(loss), float(peak)) == (3 * 4.0, 3 * 2.0)  # 3 steps of 2 replicas of 2 ones each
 
 
+def test_on_gpus_the_timed_steps_of_a_call_may_overlap_and_train_the_same():
+    """The timed loop runs one step at a time only on CPUs; overlapping steps give the same update."""
+    import keras
+
+    from gpupar.training.objective import Objective
+    from gpupar.training.steps import make_train_function, timed_loop_iterations
+
+    assert timed_loop_iterations(on_gpus=False) == 1 and timed_loop_iterations(on_gpus=True) == 10
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(96, 6)).astype("float32"), rng.integers(0, 3, 96)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    results = {}
+    for iterations in (1, 10):
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+            optimizer = keras.optimizers.SGD(0.1)
+            optimizer.build(model.trainable_variables)
+        objective = Objective("sparse_categorical_crossentropy", ["accuracy"], y[:2], model(x[:2]).numpy())
+        train = make_train_function(strategy, model, optimizer, objective, parallel_iterations=iterations)
+        loop = train.get_concrete_function(iter(strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(16))), tf.constant(1), tf.constant(False)).graph
+        assert [op.get_attr("parallel_iterations") for op in loop.get_operations()
+                if op.type.endswith("While")] == [iterations]
+        iterator = iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(16)))
+        (loss, _), _, _ = train(iterator, tf.constant(6), tf.constant(False))
+        results[iterations] = float(loss), model.get_weights()
+    (serial_loss, serial), (overlapped_loss, overlapped) = results[1], results[10]
+    assert overlapped_loss == pytest.approx(serial_loss, rel=1e-6)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(serial, overlapped)) < 1e-6
+
+
 def test_the_check_plan_runs_what_the_machine_can():
     from gpupar.monitor.device_check import plan_checks
 

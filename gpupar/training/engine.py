@@ -29,7 +29,7 @@ from gpupar.training import parameter_server
 from gpupar.training import pipeline as model_parallel
 from gpupar.training.objective import Objective
 from gpupar.training.steps import (Results, make_evaluate_function, make_evaluation, make_finite_check,
-                                   make_train_function, unpack)
+                                   make_train_function, timed_loop_iterations, unpack)
 
 log = logging.getLogger("gpupar")
 
@@ -355,7 +355,8 @@ def _synchronous(engine: Engine, config, task, train, evaluation):
     """Every replica steps together; the gradients are all-reduced in the optimizer's update."""
     strategy, optimizer, skips = engine.strategy, engine.update_optimizer, config.nan_policy == "skip"
     train_function = make_train_function(strategy, engine.model, optimizer, engine.objective, skips,
-                                         task.device_transform, config.jit_compile, config.accumulate_steps)
+                                         task.device_transform, config.jit_compile, config.accumulate_steps,
+                                         timed_loop_iterations(engine.on_gpus))
     engine.run_steps = _timed_calls(train_function, optimizer.dynamic_scale if skips else None)
     per_pipeline = engine.replicas // engine.input_pipelines
 
@@ -398,7 +399,8 @@ def _pipeline(engine: Engine, config, task, train, evaluation):
                                      config.microbatches)
     for line in stages.describe():
         log.info(line)
-    engine.run_steps = _timed_calls(model_parallel.make_train_function(stages, engine.optimizer))
+    engine.run_steps = _timed_calls(model_parallel.make_train_function(stages, engine.optimizer,
+                                                                       timed_loop_iterations(engine.on_gpus)))
     engine.make_input = lambda first_step, limit=None: keep_for_process(iter(
         train.training(engine.global_batch, config.seed, first_step, limit, config)))
     if evaluation is None:

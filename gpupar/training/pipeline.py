@@ -170,10 +170,11 @@ class Pipeline:
                 [tf.add_n(list(s)) for s in zip(*states)])
 
 
-def make_train_function(pipeline: Pipeline, optimizer):
+def make_train_function(pipeline: Pipeline, optimizer, parallel_iterations: int = 1):
     """Returns train(iterator, num_steps, skip_first_wait) -> ((loss sum, metric states), input wait s, step s).
 
-    One tf.function call of num_steps pipelined steps, timed as the synchronous steps are.
+    One tf.function call of num_steps pipelined steps, timed as the synchronous steps are
+    (parallel_iterations: gpupar.training.steps.timed_loop_iterations).
     """
 
     def batch_step(batch):
@@ -182,7 +183,8 @@ def make_train_function(pipeline: Pipeline, optimizer):
         optimizer.apply(grads, pipeline.model.trainable_variables)
         return loss, states
 
-    return steps_in_one_call(batch_step, (0.0, pipeline.objective.zero_states()), timed=True)
+    return steps_in_one_call(batch_step, (0.0, pipeline.objective.zero_states()), timed=True,
+                             parallel_iterations=parallel_iterations)
 
 
 def make_evaluate_function(pipeline: Pipeline):

@@ -71,7 +71,19 @@ def _add(totals, values):
     return tf.nest.map_structure(tf.add, totals, values)
 
 
-def steps_in_one_call(batch_step, zeros, timed=False, strategy=None):
+def timed_loop_iterations(on_gpus: bool) -> int:
+    """How many steps the timed loop of steps_in_one_call may have under way at once.
+
+    One on CPUs: a step that starts before the one before it has finished would count that
+    step's remaining work as waiting for input (the CPU threads are shared). TensorFlow's
+    default, 10, on GPUs, where a step's ops only queue kernels on the devices: the next step's
+    batch and launches need not wait until every op of this one has been issued, as with the
+    untimed loop.
+    """
+    return 10 if on_gpus else 1
+
+
+def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_iterations=1):
     """A tf.function(iterator, num_steps) that runs batch_step on num_steps batches in one call.
 
     batch_step(batch) returns a structure of float32 tensors shaped like `zeros`; they come back
@@ -84,7 +96,8 @@ def steps_in_one_call(batch_step, zeros, timed=False, strategy=None):
     wait is the mean over replicas of the time until the replica has its share of the batch (how
     long a device sits idle for input); skip_first_wait leaves out the wait for the first batch (a
     fresh pipeline filling up). On a GPU the timestamps are host-side: the call ends when its sums
-    have reached the host.
+    have reached the host. parallel_iterations: steps of the timed loop under way at once
+    (timed_loop_iterations).
     """
 
     def start():
@@ -114,11 +127,11 @@ def steps_in_one_call(batch_step, zeros, timed=False, strategy=None):
         began = tf.timestamp()
         waited = tf.constant(0.0, tf.float64)
         for i in tf.range(num_steps):
-            # One iteration at a time, so a step asks for its batch once the one before it has
-            # finished, update included. The while loop would otherwise start the next iteration's
-            # ops early, and the rest of a step on another replica would count as waiting. On a
-            # GPU this orders the launches only: kernels still queue up on the device.
-            tf.autograph.experimental.set_loop_options(parallel_iterations=1)
+            # On CPUs one iteration at a time, so a step asks for its batch once the one before it
+            # has finished, update included: the while loop would otherwise start the next
+            # iteration's ops early, and the rest of a step on another replica would count as
+            # waiting. On GPUs the iterations may overlap (timed_loop_iterations).
+            tf.autograph.experimental.set_loop_options(parallel_iterations=parallel_iterations)
             with tf.control_dependencies([waited]):
                 asked = tf.timestamp()
             with tf.control_dependencies([asked]):
@@ -143,7 +156,7 @@ def unpack(batch):
 
 
 def make_train_function(strategy, model, optimizer, objective, skip_nonfinite: bool = False, device_transform=None,
-                        jit_compile: bool = False, accumulate_steps: int = 1):
+                        jit_compile: bool = False, accumulate_steps: int = 1, parallel_iterations: int = 1):
     """Returns train(iterator, num_steps, skip_first_wait) -> ((loss sum, metric states), input wait s, step s).
 
     It runs num_steps synchronous steps inside one tf.function call; the sums are over replicas
@@ -162,6 +175,7 @@ def make_train_function(strategy, model, optimizer, objective, skip_nonfinite: b
     all-reduce and one update. Each micro-batch's loss is divided by the whole global batch's
     denominator, so the update is the one of a single step on the whole batch (exactly so for
     a model without batch norm, which normalises each micro-batch on its own).
+    parallel_iterations: see timed_loop_iterations.
     """
     scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     regularisation_share = 1.0 / accumulate_steps  # the micro-batches add the weight penalties once
@@ -240,7 +254,8 @@ def make_train_function(strategy, model, optimizer, objective, skip_nonfinite: b
         return compiled(x, y, sample_weight)
 
     zeros = (0.0, objective.zero_states())
-    return steps_in_one_call(replica_step, zeros, timed=True, strategy=strategy)
+    return steps_in_one_call(replica_step, zeros, timed=True, strategy=strategy,
+                             parallel_iterations=parallel_iterations)
 
 
 def make_evaluate_function(strategy, model, objective):
