@@ -6,6 +6,13 @@ TF_CPP_MIN_LOG_LEVEL cannot hide them. The gpupar command sets TF_CPP_MIN_LOG_LE
 or WARNING lines) unless it is set already, and keeps what TensorFlow writes to stderr while it
 starts in a file that it shows only when the start fails, or when the lines are asked for
 (absl's --verbosity, or TF_CPP_MIN_LOG_LEVEL=0 or 1).
+
+Two of those lines come later, when training starts: "Memory patch applied" and "Input of
+GeneratorDatasetOp::Dataset will not be optimized". gpupar builds no generator dataset:
+tf.distribute does, whenever an iterator of experimental_distribute_dataset is made. Its
+per-device prefetcher (MultiDeviceIterator) wraps each device's share of the batches in a
+small GeneratorDataset that feeds prefetch(1) on the device; its next() is graph ops only (no
+Python per batch), and "not optimized" concerns that wrapper, not gpupar's pipeline.
 """
 
 import contextlib

@@ -160,10 +160,11 @@ class Checkpoints:
         try:
             self.latest = manager.save(checkpoint_number=number)
         except (OSError, tf.errors.OpError) as e:
-            kept = f"the last complete checkpoint {self.latest} is intact" if self.latest else "no checkpoint was written before"
+            intact = (f"the last complete checkpoint {self.latest} is intact" if self.latest
+                      else "no checkpoint was written before")
             raise GpuparError(
                 f"could not write a checkpoint into {manager.directory} ({type(e).__name__}: "
-                f"{str(e).splitlines()[0]}); {kept}. Free space or fix permissions, then resume"
+                f"{str(e).splitlines()[0]}); {intact}. Free space or fix permissions, then resume"
             ) from None
         return self.latest
 

@@ -179,17 +179,7 @@ def build_engine(config, task, cluster=None) -> Engine:
       GpuparError: bad devices, data, model, loss or metrics, found before any training step.
     """
     mode = run_mode(config, cluster)
-    try:
-        devices = configure_devices(config)
-        placement = _PLACEMENTS[mode](config, cluster, task)
-    except TensorFlowStarted as e:
-        if not task.early_start:
-            raise
-        raise TensorFlowStarted(f"{e}. Here TensorFlow was started by {task.early_start}") from None
-    if devices.intra_op_threads or devices.inter_op_threads:
-        log.info("threads: %s per op, %s ops at once",
-                 *(n or "TensorFlow's default" for n in (devices.intra_op_threads, devices.inter_op_threads)))
-    log.info(placement.description)
+    devices, placement = _placed(config, cluster, task, mode)
     on_gpus = any(d.startswith("/gpu") for d in placement.devices)
     if config.precision == "mixed_float16" and not on_gpus:
         log.warning("precision=mixed_float16 without a GPU: the CPU emulates much of float16 math; "
@@ -201,44 +191,15 @@ def build_engine(config, task, cluster=None) -> Engine:
     if train.resume_note and config.resume is not False:
         log.info("resume: %s", train.resume_note)
     global_batch = config.batch_size * placement.batch_replicas * config.accumulate_steps  # examples per update
-    # A dataset_fn's per-replica batches: each input pipeline gives those of its replicas that share a step.
-    steps_per_epoch = train.steps_per_epoch(global_batch, placement.batch_replicas // placement.pipelines)
-    if config.steps_per_epoch is not None:
-        steps_per_epoch = min(steps_per_epoch or config.steps_per_epoch, config.steps_per_epoch)
-    if steps_per_epoch is None:
-        raise GpuparError(f"the training data ({train.description}) have no known length, so an epoch has none; "
-                          "pass steps_per_epoch")
-
-    dtype = None if config.precision == "float32" else config.precision
-    previous_policy = keras.config.dtype_policy()
-    if dtype:
-        keras.config.set_dtype_policy(dtype)  # the user's layers compute in 16 bits, their weights stay float32
-    try:
-        with placement.scope():
-            with replica_consistent_state():  # the model's state only: the optimizer's keeps Keras' aggregation
-                model, stage_of = _built_model(task, placement, train)
-            updated, split = placement.update_variables(model)
-            inner = _optimizer(task.optimizer, config)
-            applied = _loss_scaled(inner, config)
-            applied.build(updated)  # each slot variable is placed beside its variable
-    finally:
-        keras.config.set_dtype_policy(previous_policy)
+    steps_per_epoch = _steps_per_epoch(config, train, global_batch, placement)
+    model, stage_of, updated, inner, applied = _model_and_optimizer(config, task, placement, train)
     if on_gpus and fall_back_from_xla(model, xla_batch_norm_error(placement.devices[0])):
         log.warning("XLA could not compile the batch norm on %s, so it runs as Keras' BatchNormalization (the same "
                     "variables, slower): CUDA's ptxas and libdevice are missing; pip install 'tensorflow[and-cuda]' "
                     "brings them", placement.devices[0])
-    for line in split:
-        log.info("variable %s", line)
     objective = _checked_objective(task, model, train)
     model.optimizer = applied  # where Keras' callbacks (ReduceLROnPlateau, LearningRateScheduler) look for it
-    if config.accumulate_steps > 1:
-        log.info("accumulation: each update adds the gradients of %d batches of %d per replica, one after another, "
-                 "then all-reduces once: one step on a global batch of %d", config.accumulate_steps,
-                 config.batch_size, global_batch)
-    if config.augment:
-        log.info("augmentation: random shifts, rotations and zooms, on the %s", config.augment_on)
-    if config.precision != "float32" or config.jit_compile:
-        log.info("step: %s%s", config.precision, ", compiled with XLA" if config.jit_compile else "")
+    _log_step_options(config, global_batch)
 
     engine = Engine(
         description=placement.description, strategy=placement.strategy, replicas=placement.replicas, model=model,
@@ -252,6 +213,73 @@ def build_engine(config, task, cluster=None) -> Engine:
     )
     _BUILDERS[mode](engine, config, task, train, evaluation)
     return engine
+
+
+def _placed(config, cluster, task, mode):
+    """(the DevicePlan, the mode's _Placement): devices configured and the strategy made, both logged.
+
+    Raises:
+      TensorFlowStarted: TensorFlow ran before it could be set up, naming what in the task started it.
+    """
+    try:
+        devices = configure_devices(config)
+        placement = _PLACEMENTS[mode](config, cluster, task)
+    except TensorFlowStarted as e:
+        if not task.early_start:
+            raise
+        raise TensorFlowStarted(f"{e}. Here TensorFlow was started by {task.early_start}") from None
+    if devices.intra_op_threads or devices.inter_op_threads:
+        log.info("threads: %s per op, %s ops at once",
+                 *(n or "TensorFlow's default" for n in (devices.intra_op_threads, devices.inter_op_threads)))
+    log.info(placement.description)
+    return devices, placement
+
+
+def _steps_per_epoch(config, train, global_batch: int, placement) -> int:
+    """Steps in one epoch: a pass over the training data, capped by config.steps_per_epoch."""
+    # A dataset_fn's per-replica batches: each input pipeline gives those of its replicas that share a step.
+    steps = train.steps_per_epoch(global_batch, placement.batch_replicas // placement.pipelines)
+    if config.steps_per_epoch is not None:
+        steps = min(steps or config.steps_per_epoch, config.steps_per_epoch)
+    if steps is None:
+        raise GpuparError(f"the training data ({train.description}) have no known length, so an epoch has none; "
+                          "pass steps_per_epoch")
+    return steps
+
+
+def _model_and_optimizer(config, task, placement, train):
+    """(model, stage of each layer or None, variables updated, optimizer, optimizer that applies updates).
+
+    Both are made under the placement's scope, the model's layers in the run's dtype policy.
+    """
+    previous_policy = keras.config.dtype_policy()
+    if config.precision != "float32":
+        keras.config.set_dtype_policy(config.precision)  # the user's layers compute in 16 bits, weights stay float32
+    try:
+        with placement.scope():
+            with replica_consistent_state():  # the model's state only: the optimizer's keeps Keras' aggregation
+                model, stage_of = _built_model(task, placement, train)
+            updated, split = placement.update_variables(model)
+            inner = _optimizer(task.optimizer, config)
+            applied = _loss_scaled(inner, config)
+            applied.build(updated)  # each slot variable is placed beside its variable
+    finally:
+        keras.config.set_dtype_policy(previous_policy)
+    for line in split:
+        log.info("variable %s", line)
+    return model, stage_of, updated, inner, applied
+
+
+def _log_step_options(config, global_batch: int):
+    """One line for each option that changes the step: accumulation, augmentation, precision and XLA."""
+    if config.accumulate_steps > 1:
+        log.info("accumulation: each update adds the gradients of %d batches of %d per replica, one after another, "
+                 "then all-reduces once: one step on a global batch of %d", config.accumulate_steps,
+                 config.batch_size, global_batch)
+    if config.augment:
+        log.info("augmentation: random shifts, rotations and zooms, on the %s", config.augment_on)
+    if config.precision != "float32" or config.jit_compile:
+        log.info("step: %s%s", config.precision, ", compiled with XLA" if config.jit_compile else "")
 
 
 def _built_model(task, placement, train):

@@ -39,7 +39,7 @@ class EpochTotals:
       steps: Steps run, skipped ones included.
       skipped: Steps dropped for a non-finite loss or gradient.
       examples: Training examples of all those steps (for the speed).
-      kept: Examples of the steps kept (for the mean loss).
+      kept_examples: Examples of the steps kept (for the mean loss).
       loss: Sum over the kept steps of each step's loss times its examples.
       states: The metrics' states summed over the steps (gpupar.training.objective), flattened.
       seconds: Wall time of the steps.
@@ -49,7 +49,7 @@ class EpochTotals:
     steps: int = 0
     skipped: int = 0
     examples: int = 0
-    kept: int = 0
+    kept_examples: int = 0
     loss: float = 0.0
     states: List[list] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
@@ -70,25 +70,25 @@ class EpochTotals:
         """Adds one call's finished steps, `skipped` of them dropped as non-finite."""
         self.steps, self.skipped = self.steps + results.steps, self.skipped + skipped
         self.examples += results.steps * global_batch
-        self.kept += (results.steps - skipped) * global_batch
+        self.kept_examples += (results.steps - skipped) * global_batch
         self.loss += results.loss * global_batch
         if results.states:
-            self.states = [np.add(a, b).tolist() for a, b in zip(self.states, results.states)] if self.states else [
+            self.states = [np.add(total, more).tolist() for total, more in zip(self.states, results.states)] if self.states else [
                 np.asarray(s).tolist() for s in results.states]
         for worker, steps in results.by_worker.items():
             self.by_worker[str(worker)] = self.by_worker.get(str(worker), 0) + steps
 
     def since(self, earlier: "EpochTotals") -> "EpochTotals":
         """The sums of the steps after `earlier`."""
-        states = [np.subtract(a, b).tolist() for a, b in zip(self.states, earlier.states or
+        states = [np.subtract(now, then).tolist() for now, then in zip(self.states, earlier.states or
                                                              [np.zeros_like(s) for s in self.states])]
         return EpochTotals(self.steps - earlier.steps, self.skipped - earlier.skipped, self.examples - earlier.examples,
-                           self.kept - earlier.kept, self.loss - earlier.loss, states, self.seconds - earlier.seconds,
+                           self.kept_examples - earlier.kept_examples, self.loss - earlier.loss, states, self.seconds - earlier.seconds,
                            {w: n - earlier.by_worker.get(w, 0) for w, n in self.by_worker.items()})
 
     def logs(self, objective) -> dict:
         """{"loss": ..., "<metric>": ...} of these steps, Keras' names."""
-        logs = {"loss": self.loss / max(self.kept, 1)}
+        logs = {"loss": self.loss / max(self.kept_examples, 1)}
         if self.states:
             logs.update(objective.results(self.states))
         return logs
@@ -103,8 +103,8 @@ def _workers_note(by_worker) -> str:
 
 def _stopped_without_saving(latest_checkpoint) -> str:
     """What a stop for non-finite numbers says it left on disk, and what to do."""
-    kept = f"the last good checkpoint {latest_checkpoint} is kept" if latest_checkpoint else "no checkpoint was written"
-    return f"stopped without saving ({kept}). Lower learning_rate, check the input data, or pass nan_policy=skip."
+    left = f"the last good checkpoint {latest_checkpoint} is kept" if latest_checkpoint else "no checkpoint was written"
+    return f"stopped without saving ({left}). Lower learning_rate, check the input data, or pass nan_policy=skip."
 
 
 def _check_finite(loss, epoch, first_step, last_step, checkpoint):
@@ -123,6 +123,70 @@ def _mean_util(gpus) -> Optional[float]:
 def _crosses(before: int, after: int, every) -> bool:
     """True when a multiple of `every` lies in (before, after]."""
     return every is not None and after // every > before // every
+
+
+class _Epoch:
+    """An epoch under way: its sums, the steps asked for and finished, and the totals at the last progress line.
+
+    A parameter-server engine reports steps later than they were asked for, so `finished` may lag
+    `asked` until the engine's finish().
+    """
+
+    def __init__(self, loop, epoch: int, start: Position, stop):
+        self.loop, self.epoch, self.start, self.stop = loop, epoch, start, stop
+        self.began = time.perf_counter()
+        self.totals = EpochTotals.from_dict(start.totals)  # the steps before start.step, in an earlier run
+        self.shown, self.shown_time = self.totals.copy(), self.began
+        self.asked = self.finished = start.step
+
+    def add(self, results: Results, skipped: int):
+        """Adds the steps a call reports (`skipped` of them non-finite), with the callbacks and the progress line."""
+        loop, engine, config = self.loop, self.loop.engine, self.loop.config
+        before, self.finished = self.finished, self.finished + results.steps
+        self.totals.add(results, skipped, engine.global_batch)
+        _check_finite(self.totals.loss, self.epoch, before + 1, self.finished, loop.checkpoints.latest)
+        if not results.steps:
+            return
+        loop.callbacks.on_train_batch_end(self.finished - 1, self.totals.logs(engine.objective))
+        if _crosses(before, self.finished, config.display_step) or self.finished == engine.steps_per_epoch \
+                or self.stop.signum:
+            self._progress_line()
+
+    def _progress_line(self):
+        """Logs the steps since the last line: position, logs, speed; and writes them to TensorBoard."""
+        loop, engine, per_epoch = self.loop, self.loop.engine, self.loop.engine.steps_per_epoch
+        now, interval = time.perf_counter(), self.totals.since(self.shown)
+        logs = interval.logs(engine.objective)
+        position = f"{self.finished} / {per_epoch}" + (
+            f" updates, {self.totals.examples:,} examples" if loop.config.accumulate_steps > 1 else "")
+        log.info("Epoch:[%d] [%s] %s, %s examples/s%s%s", self.epoch, position, format_logs(logs),
+                 f"{interval.examples / (now - self.shown_time):,.0f}",
+                 f", skipped {interval.skipped} non-finite step(s)" if interval.skipped else "",
+                 _workers_note(interval.by_worker))
+        loop._warn_if_input_bound()
+        loop.summaries.step(self.epoch * per_epoch + self.finished, logs)
+        self.shown, self.shown_time = self.totals.copy(), now
+
+    def save_step(self):
+        """Saves a step checkpoint once every step asked for is in the weights, and in the totals."""
+        loop, per_epoch = self.loop, self.loop.engine.steps_per_epoch
+        self.add(loop.engine.finish(), 0)
+        so_far = dataclasses.replace(self.totals.copy(), seconds=self.totals.seconds + time.perf_counter() - self.began)
+        position = Position(self.epoch, self.asked, totals=so_far.to_dict())
+        return loop._save(self.epoch, self.asked, lambda: loop.checkpoints.save_step(
+            position, self.epoch * per_epoch + self.asked))
+
+    def record(self, wait: InputWait, gpus) -> EpochRecord:
+        """The whole epoch's EpochRecord, its evaluation included."""
+        totals, engine = self.totals, self.loop.engine
+        totals.seconds += time.perf_counter() - self.began
+        return EpochRecord(
+            epoch=self.epoch, logs={**totals.logs(engine.objective), **engine.evaluate()}, seconds=totals.seconds,
+            examples_per_second=totals.examples / totals.seconds, steps=totals.steps, skipped_steps=totals.skipped,
+            input_wait_fraction=wait.fraction, resumed_at_step=self.start.step,
+            updates_by_worker=dict(totals.by_worker) or None, gpu_util_percent=_mean_util(gpus),
+            gpu_memory_used_mb=max(g.max_memory_used_mb for g in gpus) if gpus else None,
+        )
 
 
 class _CallbackStop(Exception):
@@ -192,68 +256,28 @@ class Loop:
           TrainingInterrupted: a signal, after a step checkpoint.
           _CallbackStop: a callback set model.stop_training, after a step checkpoint.
         """
-        config, per_epoch, batch = self.config, self.engine.steps_per_epoch, self.engine.global_batch
-        objective = self.engine.objective
-        began = time.perf_counter()
-        totals = EpochTotals.from_dict(start.totals)  # the steps before start.step, in an earlier run
-        shown, shown_time = totals.copy(), began
-        asked = finished = start.step  # steps asked for, and steps the engine reported finished
+        per_epoch = self.engine.steps_per_epoch
         self.wait = InputWait()
         if self.gpu_sampler:
             self.gpu_sampler.take()  # drops the samples of evaluation and saving since the last epoch
-
-        def add(results: Results, skipped: int):
-            nonlocal finished, shown, shown_time
-            before, finished = finished, finished + results.steps
-            totals.add(results, skipped, batch)
-            _check_finite(totals.loss, epoch, before + 1, finished, self.checkpoints.latest)
-            if results.steps:
-                self.callbacks.on_train_batch_end(finished - 1, totals.logs(objective))
-            if results.steps and (_crosses(before, finished, config.display_step) or finished == per_epoch
-                                  or stop.signum):
-                now, interval = time.perf_counter(), totals.since(shown)
-                logs = interval.logs(objective)
-                position = f"{finished} / {per_epoch}" + (
-                    f" updates, {totals.examples:,} examples" if config.accumulate_steps > 1 else "")
-                log.info("Epoch:[%d] [%s] %s, %s examples/s%s%s", epoch, position, format_logs(logs),
-                         f"{interval.examples / (now - shown_time):,.0f}",
-                         f", skipped {interval.skipped} non-finite step(s)" if interval.skipped else "",
-                         _workers_note(interval.by_worker))
-                self._warn_if_input_bound()
-                self.summaries.step(epoch * per_epoch + finished, logs)
-                shown, shown_time = totals.copy(), now
-
-        def save_step():
-            add(self.engine.finish(), 0)  # every step asked for is in the weights, and in the totals
-            now = dataclasses.replace(totals.copy(), seconds=totals.seconds + time.perf_counter() - began)
-            return self._save(epoch, asked, lambda: self.checkpoints.save_step(
-                Position(epoch, asked, totals=now.to_dict()), epoch * per_epoch + asked))
-
-        while asked < per_epoch:
+        current = _Epoch(self, epoch, start, stop)
+        while current.asked < per_epoch:
             if stop.signum:
-                self._interrupt(stop, save_step())
-            num_steps = self._chunk(asked)
-            add(*self._call(num_steps))
-            asked += num_steps
-            if asked < per_epoch and self.engine.model.stop_training:
-                saved = save_step()
-                log.info("Epoch:[%d] a callback stopped training at step %d%s", epoch, asked,
+                self._interrupt(stop, current.save_step())
+            num_steps = self._chunk(current.asked)
+            current.add(*self._call(num_steps))
+            current.asked += num_steps
+            if current.asked < per_epoch and self.engine.model.stop_training:
+                saved = current.save_step()
+                log.info("Epoch:[%d] a callback stopped training at step %d%s", epoch, current.asked,
                          f"; saved {saved}" if saved else "")
                 raise _CallbackStop()
-            if asked < per_epoch and not stop.signum and _crosses(asked - num_steps, asked,
-                                                                   config.checkpoint_every_steps):
-                save_step()
-        add(self.engine.finish(), 0)
-        totals.seconds += time.perf_counter() - began
+            if current.asked < per_epoch and not stop.signum and _crosses(current.asked - num_steps, current.asked,
+                                                                           self.config.checkpoint_every_steps):
+                current.save_step()
+        current.add(self.engine.finish(), 0)
         self.gpus = self.gpu_sampler.take() if self.gpu_sampler else []
-        return EpochRecord(
-            epoch=epoch, logs={**totals.logs(objective), **self.engine.evaluate()}, seconds=totals.seconds,
-            examples_per_second=totals.examples / totals.seconds, steps=totals.steps, skipped_steps=totals.skipped,
-            input_wait_fraction=self.wait.fraction, resumed_at_step=start.step,
-            updates_by_worker=dict(totals.by_worker) or None,
-            gpu_util_percent=_mean_util(self.gpus),
-            gpu_memory_used_mb=max(g.max_memory_used_mb for g in self.gpus) if self.gpus else None,
-        )
+        return current.record(self.wait, self.gpus)
 
     @staticmethod
     def _interrupt(stop, saved):

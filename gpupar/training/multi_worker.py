@@ -85,8 +85,8 @@ class AgreedStop:
 
 def lost_peer(error: Exception, cluster: Cluster, checkpoint) -> GpuparError:
     """The error a worker reports when the cluster broke under it (a peer died or hung)."""
-    kept = f"the last checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
+    last_saved = f"the last checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
     return GpuparError(
         f"{cluster.task_name} lost the cluster ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
-        f"{kept}. Restart every task with --resume (gpupar launch --restarts=N does it)"
+        f"{last_saved}. Restart every task with --resume (gpupar launch --restarts=N does it)"
     )

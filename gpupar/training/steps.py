@@ -39,13 +39,13 @@ class Results:
     by_worker: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
     def __add__(self, other: "Results") -> "Results":
-        def plus(a, b):
-            return b if a is None else a if b is None else a + b
+        def plus(mine, theirs):
+            return theirs if mine is None else mine if theirs is None else mine + theirs
 
         workers = dict(self.by_worker)
         for worker, steps in other.by_worker.items():
             workers[worker] = workers.get(worker, 0) + steps
-        states = [a + b for a, b in zip(self.states, other.states)] if self.states and other.states else (
+        states = [mine + theirs for mine, theirs in zip(self.states, other.states)] if self.states and other.states else (
             self.states or other.states)
         return Results(self.steps + other.steps, self.loss + other.loss, states,
                        plus(self.waited, other.waited), plus(self.busy, other.busy), workers)
@@ -107,7 +107,7 @@ def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_it
     def step(totals, batch):
         if strategy is None:
             return _add(totals, batch_step(batch))
-        return strategy.run(lambda kept, share: _add(kept, batch_step(share)), args=(totals, batch))
+        return strategy.run(lambda replica_totals, share: _add(replica_totals, batch_step(share)), args=(totals, batch))
 
     def reduced(totals):
         if strategy is None:
@@ -208,8 +208,8 @@ def make_train_function(strategy, model, optimizer, objective, skip_nonfinite: b
 
         def add_micro_batch(m, loss, states, summed):
             more_loss, more_states, more_grads, _ = gradients(*micro(m), total=total)
-            return (m + 1, loss + more_loss, [a + b for a, b in zip(states, more_states)],
-                    [a + tf.convert_to_tensor(more_grads[i]) for a, i in zip(summed, connected)])
+            return (m + 1, loss + more_loss, [total + more for total, more in zip(states, more_states)],
+                    [total + tf.convert_to_tensor(more_grads[i]) for total, i in zip(summed, connected)])
 
         # One micro-batch at a time, so that only one holds its activations in memory.
         _, loss, states, summed = tf.while_loop(
