@@ -61,13 +61,18 @@ def _output_keys(y_pred) -> list:
     return [None]
 
 
+def _looked_up(get, name: str):
+    """Keras' get(name) (keras.losses.get, keras.metrics.get), or None for a name Keras does not know."""
+    try:
+        return get(name)
+    except ValueError:
+        return None
+
+
 def _loss_term(spec, key, where) -> LossTerm:
     """The LossTerm of one loss given as a Keras name, a keras.losses.Loss (or its class), or a function."""
     if isinstance(spec, str):
-        try:
-            spec = keras.losses.get(spec)
-        except ValueError:
-            spec = None
+        spec = _looked_up(keras.losses.get, spec)
         if spec is None:
             raise GpuparError(f"loss{where}: unknown Keras loss name; use one such as "
                               "'sparse_categorical_crossentropy', 'categorical_crossentropy', 'mse', or pass a "
@@ -98,10 +103,7 @@ def _metric(spec, y_true, y_pred, where):
             return keras.metrics.CategoricalAccuracy(name="accuracy")
         return keras.metrics.SparseCategoricalAccuracy(name="accuracy")
     if isinstance(spec, str):
-        try:
-            found = keras.metrics.get(spec)
-        except ValueError:
-            found = None
+        found = _looked_up(keras.metrics.get, spec)
         if found is None:
             raise GpuparError(f"metrics{where}: {spec!r} is not a Keras metric name; use one such as 'accuracy', "
                               "'mae', 'auc', or pass a keras.metrics.Metric")
