@@ -31,10 +31,13 @@ def test_slow_host_augmentation_is_input_bound(idx_dir, slow_host_warp):
     assert "input-bound; training is bound by the input pipeline" in report.format()
 
 
-def test_device_augmentation_is_bound_by_the_step(idx_dir):
+def test_device_augmentation_leaves_the_pipeline_faster_than_the_step(idx_dir):
+    # Whether training keeps up with the step alone depends on what else shares the two cores (CI
+    # runs two test workers), so only what holds under any load is asserted: the pipeline alone
+    # outruns the step, and the verdict never blames it alone nor asks to move the augmentation.
     report = diagnose(_config(idx_dir, augment=True), steps=4)
-    assert not report.input_bound and report.bound_by == "train step"
-    assert report.input_examples_per_second > report.step_examples_per_second
+    assert report.input_examples_per_second > 2 * report.step_examples_per_second
+    assert report.bound_by in ("train step", "input pipeline sharing the CPU with the step")
     assert report.recommendations and "--augment_on" not in report.recommendations[0]
 
 

@@ -342,8 +342,13 @@ def test_the_xla_check_fails_with_the_fix_for_its_device(monkeypatch):
         raise tf.errors.InternalError(None, None, "libdevice not found at ./libdevice.10.bc\nsearched: /usr/local/cuda")
 
     monkeypatch.setattr(layers, "_normalise_batch", missing_libdevice)
-    assert layers.xla_batch_norm_error("/gpu:0") == "InternalError: libdevice not found at ./libdevice.10.bc"
-    result = _xla({"plan": Plan("mirrored", tuple(GPUS[:2]), "nccl", None, "")})
+    soft = tf.config.get_soft_device_placement()
+    tf.config.set_soft_device_placement(True)  # the probe's inputs on the missing /gpu:0 land on the CPU
+    try:
+        assert layers.xla_batch_norm_error("/gpu:0") == "InternalError: libdevice not found at ./libdevice.10.bc"
+        result = _xla({"plan": Plan("mirrored", tuple(GPUS[:2]), "nccl", None, "")})
+    finally:
+        tf.config.set_soft_device_placement(soft)  # another test in this process may have turned it off
     assert result.status == FAIL and result.detail.startswith("InternalError: libdevice") and "ptxas" in result.fix
 
 
