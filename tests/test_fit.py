@@ -279,21 +279,28 @@ def test_a_subclassed_multi_output_model_with_dicts():
     assert np.isfinite(list(result.logs.values())).all()
 
 
-def test_a_dataset_and_a_dataset_fn_train_like_the_arrays():
+def test_a_dataset_and_a_dataset_fn_give_the_update_of_one_device_on_the_same_batches():
     x, y = _data()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    arrays = _fit(_dense(), (x, y), 2, loss=loss)
-    dataset = _fit(_dense(), tf.data.Dataset.from_tensor_slices((x, y)), 2, loss=loss)
-    assert np.isfinite(dataset.history[0].train_loss) and dataset.history[0].steps == 4
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))  # batched by gpupar, in order: global batch 32
+    one_device = _fit(_dense(), dataset, 1, loss=loss)
+    two_replicas = _fit(_dense(), dataset, 2, loss=loss)
+    assert one_device.history[0].steps == two_replicas.history[0].steps == 4
+    assert _moved(one_device, _dense()) > 100 * ATOL and _difference(one_device, two_replicas) < ATOL
 
-    def dataset_fn(context):
+    def dataset_fn(context):  # one input pipeline: its per-replica batches of 16 go to the replicas in turn
         batch = context.get_per_replica_batch_size(32)
         return tf.data.Dataset.from_tensor_slices((x, y)).shard(context.num_input_pipelines,
                                                                  context.input_pipeline_id).batch(batch)
 
-    from_fn = _fit(_dense(), dataset_fn, 2, loss=loss)
-    assert from_fn.history[0].steps == 4 and np.isfinite(from_fn.history[0].train_loss)
-    assert arrays.history[0].steps == 4
+    def eval_fn(context):  # a length TensorFlow cannot tell (a filter): counted once, before training
+        return tf.data.Dataset.from_tensor_slices((x[:90], y[:90])).filter(lambda *_: True).batch(16)
+
+    from_fn = _fit(_dense(), dataset_fn, 2, loss=loss, eval_data=eval_fn)
+    assert from_fn.history[0].steps == 4 and _difference(from_fn, two_replicas) < ATOL
+    whole = keras.metrics.SparseCategoricalAccuracy()
+    whole.update_state(y[:90], from_fn.model.predict(x[:90], verbose=0))
+    assert from_fn.logs["val_accuracy"] == pytest.approx(float(whole.result()), abs=1e-6)  # all 90, once
 
 
 def test_a_tfds_name_loads_its_split():

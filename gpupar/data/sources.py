@@ -201,6 +201,8 @@ def resolve(data, role: str = "train_data") -> Source:
         count = _cardinality(dataset, what)
         if count == -1 and role == "eval_data":
             raise GpuparError(f"{what} is a dataset_fn of an endless dataset; evaluation needs a finite one")
+        if count is None and role == "eval_data":
+            count = int(dataset.reduce(np.int64(0), lambda n, _: n + 1))  # batches counted once, before training
         return Source(DATASET_FN, "a dataset_fn", data, batches=None if count in (None, -1) else count)
     if isinstance(data, (tuple, list)):
         arrays, count = _arrays(data, what)
