@@ -174,3 +174,28 @@ def test_the_plot_has_whole_epochs_labels_and_a_title():
     for axes in figure.axes:
         assert axes.get_ylabel() and axes.get_xlabel() == "epoch"
         assert all(float(t).is_integer() for t in axes.get_xticks())
+
+
+def _quick_start():
+    """The lines of the README's first sh block: the quick start."""
+    from conftest import ROOT
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    block = text[text.index("```sh\n") + len("```sh\n"):]
+    return [line.split("  #")[0].strip() for line in block[:block.index("```")].splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_the_readme_quick_start_runs_as_written(tmp_path):
+    lines = _quick_start()
+    assert len(lines) <= 5
+    setup, install = lines[0], next(line for line in lines if "pip install" in line)
+    assert "apt-get update" in setup.split("apt-get install")[0] and "dataset-fashion-mnist" in setup
+    runs = [line for line in lines if line.startswith(".venv/bin/gpupar")]
+    assert any(" plot " in line for line in runs) and "'.[plot]'" in install  # gpupar plot needs matplotlib
+    venv_bin = os.path.dirname(sys.executable)
+    for line in runs:  # as written, from a fresh folder, with this checkout's .venv
+        done = subprocess.run(line.replace(".venv/bin/", venv_bin + "/"), shell=True, cwd=tmp_path, text=True,
+                              capture_output=True, timeout=600, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+        assert done.returncode == 0, f"{line}\n{done.stderr[-2000:]}"
+    assert (tmp_path / "runs" / "001" / "ckpt-2.index").exists() and (tmp_path / "curves.png").stat().st_size > 10_000
