@@ -30,6 +30,7 @@ def test_ratios_are_paired_within_rounds():
     assert bench._paired_ratio([150, 75, 150], [100, 50, 100]) == pytest.approx(1.5)
 
 
+@pytest.mark.slow
 def test_quick_benchmark_writes_the_table_json_and_plot(tmp_path):
     folder = make_idx_dir(tmp_path / "data")
     out, png = tmp_path / "b.json", tmp_path / "b.png"

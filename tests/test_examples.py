@@ -8,9 +8,11 @@ import sys
 import pytest
 
 EXAMPLES = sorted(pathlib.Path(__file__).parent.parent.joinpath("examples").glob("*.py"))
+CLUSTERS = ("model_parallel.py", "multi_worker.py", "parameter_server.py")  # several processes or many traces: slow
 
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
+@pytest.mark.parametrize("script", [pytest.param(p, marks=pytest.mark.slow) if p.name in CLUSTERS else p
+                                    for p in EXAMPLES], ids=[p.name for p in EXAMPLES])
 def test_example_runs_in_quick_mode(script):
     result = subprocess.run(
         [sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300,

@@ -330,6 +330,7 @@ def test_checkpoints_move_between_split_and_unsplit_models(shared_idx_dir, tmp_p
     assert split_then_unsplit.test_accuracy == unsplit_then_split.test_accuracy == unsplit.test_accuracy
 
 
+@pytest.mark.slow
 def test_pipeline_benchmark_reports_m1_and_m4_on_one_and_several_devices(shared_idx_dir):
     from benchmarks import pipeline as bench_pipeline
 

@@ -109,6 +109,7 @@ def test_second_signal_exits_at_once_without_saving():
     assert "SIGINT again: exiting now, without saving" in result.stderr
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_loses_at_most_the_steps_since_the_last_checkpoint(shared_idx_dir, tmp_path, reference):
     model_dir = str(tmp_path / "run")
     # Kill right after the progress line of three random global steps (a fixed seed), in order, so
