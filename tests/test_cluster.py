@@ -175,6 +175,16 @@ def test_launch_runs_gpupar_for_flags_and_a_command_as_given():
     assert restart_command(["python", "train.py"]) == ["python", "train.py"]
 
 
+def test_launch_refuses_a_command_that_cannot_run_before_starting_anything():
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "gpupar", "launch", "--workers=2", "--", "nosuchcommand", "x.py"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "[launch] started" not in result.stdout
+    (line,) = result.stderr.strip().splitlines()
+    assert "the command after -- ('nosuchcommand') is not a program on PATH" in line
+
+
 def test_launch_refuses_a_bad_count_before_starting_anything():
     import subprocess
 

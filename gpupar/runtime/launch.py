@@ -18,6 +18,7 @@ a grace period. Every process it started is gone when it returns.
 
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -116,8 +117,15 @@ def _stream(prefix: str, pipe, out, lock):
 
 
 def task_command(args: List[str]) -> List[str]:
-    """What every task runs: `python -m gpupar ARGS` when ARGS are flags, else ARGS as a command."""
+    """What every task runs: `python -m gpupar ARGS` when ARGS are flags, else ARGS as a command.
+
+    Raises:
+      GpuparError: a command that is not a program on PATH or a file that can run.
+    """
     if args and not args[0].startswith("-"):
+        if shutil.which(args[0]) is None:
+            raise GpuparError(f"the command after -- ({args[0]!r}) is not a program on PATH or an executable file; "
+                              "give one such as python train.py, or gpupar's own flags (--epochs=2 ...)")
         return list(args)
     return [sys.executable, "-m", "gpupar", *args]
 
@@ -301,6 +309,7 @@ def launch(workers: int, ps: int, restarts: int, args: List[str], gpus_per_worke
       GpuparError: GPUs that cannot be shared out, or no private network without allow_network
         (before any task starts).
     """
+    task_command(args)  # a command that cannot run is refused before anything starts
     inside = os.environ.get(network.PRIVATE_ENV) == "1"
     isolation = network.plan_isolation(inside, allow_network, None if inside or allow_network
                                        else network.working_unshare())
