@@ -1,10 +1,12 @@
 """Gradient accumulation (accumulate_steps=N): one update from N batches equals one step on an N-times larger batch."""
 
 import os
+import re
 
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import gpupar
 from gpupar.errors import GpuparError
@@ -88,7 +90,9 @@ def test_bad_accumulation_options_are_one_line_before_any_step():
         (dict(accumulate_steps=2, strategy="model_parallel"), "accumulate_steps=2 adds up gradients in a synchronous"),
         (dict(optimizer=lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)),
          "pass accumulate_steps=2 to gpupar instead"),
+        (dict(accumulate_steps=2, train_data=lambda context: tf.data.Dataset.from_tensor_slices(_data()[:2]).batch(8)),
+         "accumulate_steps=2 makes each replica's batch 2 times larger, and a dataset_fn's batches are its own"),
     ]:
-        with pytest.raises(GpuparError, match=message.replace("[", r"\[")) as e:
-            gpupar.fit(_model, _data()[:2], batch_size=8, epochs=1, **options)
+        with pytest.raises(GpuparError, match=re.escape(message)) as e:
+            gpupar.fit(_model, options.pop("train_data", _data()[:2]), batch_size=8, epochs=1, save=False, **options)
         assert "\n" not in str(e.value)

@@ -23,7 +23,7 @@ from gpupar.models.layers import fall_back_from_xla, replica_consistent_state, x
 from gpupar.models.staged import build_on_stages
 from gpupar.runtime.devices import configure_devices
 from gpupar.runtime.stages import plan_stages
-from gpupar.runtime.strategy import build_strategy, check_jit_compile, detected_plan
+from gpupar.runtime.strategy import SHARD_BYTES, build_strategy, check_jit_compile, detected_plan, max_shards
 from gpupar.runtime.teardown import keep_for_process
 from gpupar.training import parameter_server
 from gpupar.training import pipeline as model_parallel
@@ -159,6 +159,10 @@ def _place_pipeline(config, cluster, task):
 def _place_parameter_servers(config, cluster, task):
     plan = detected_plan(config.strategy, config.devices, config.cross_device_ops, cluster=cluster)
     strategy = build_strategy(plan, config.ps_shards)
+    shards = max_shards(plan.cluster.num_ps, config.ps_shards)
+    log.info("variables: on %d ps task(s); %s", plan.cluster.num_ps,
+             f"those of {SHARD_BYTES // 1024} KiB or more split into up to {shards} shards" if shards > 1
+             else "each one whole")
     # Each step trains one worker's batch, on its own.
     return _Placement(plan.describe(), strategy, plan.num_replicas, 1, strategy.scope, plan.devices,
                       update_variables=parameter_server.update_variables)
@@ -179,6 +183,10 @@ def build_engine(config, task, cluster=None) -> Engine:
       GpuparError: bad devices, data, model, loss or metrics, found before any training step.
     """
     mode = run_mode(config, cluster)
+    if mode == PARAMETER_SERVERS and not task.per_worker_input:
+        raise GpuparError(f"strategy=parameter_server needs train_data as a dataset_fn(input_context), not "
+                          f"{task.train_form}: each worker makes its own input pipeline with it (arrays or a dataset "
+                          "made here would be copied into every worker's graph)")
     devices, placement = _placed(config, cluster, task, mode)
     on_gpus = any(d.startswith("/gpu") for d in placement.devices)
     if config.precision == "mixed_float16" and not on_gpus:
@@ -381,6 +389,10 @@ def _no_evaluation():
 
 def _synchronous(engine: Engine, config, task, train, evaluation):
     """Every replica steps together; the gradients are all-reduced in the optimizer's update."""
+    if train.kind == DATASET_FN and config.accumulate_steps > 1:
+        raise GpuparError(f"accumulate_steps={config.accumulate_steps} makes each replica's batch {config.accumulate_steps} "
+                          "times larger, and a dataset_fn's batches are its own: give arrays, a dataset or a TFDS name, "
+                          "or batch the dataset_fn larger and use accumulate_steps=1")
     strategy, optimizer, skips = engine.strategy, engine.update_optimizer, config.nan_policy == "skip"
     train_function = make_train_function(strategy, engine.model, optimizer, engine.objective, skips,
                                          task.device_transform, config.jit_compile, config.accumulate_steps,
@@ -441,10 +453,6 @@ def _pipeline(engine: Engine, config, task, train, evaluation):
 
 def _parameter_servers(engine: Engine, config, task, train, evaluation):
     """Workers step asynchronously on variables that live on the parameter servers; the chief schedules and evaluates."""
-    if train.kind != DATASET_FN and not task.preset:
-        raise GpuparError(f"strategy=parameter_server needs train_data as a dataset_fn(input_context), not "
-                          f"{train.description}: each worker makes its own input pipeline with it (arrays or a dataset "
-                          "made here would be copied into every worker's graph)")
     strategy, num_workers = engine.strategy, engine.replicas
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     scheduler = parameter_server.Scheduler(coordinator, parameter_server.make_worker_step(

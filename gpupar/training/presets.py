@@ -34,5 +34,5 @@ def mnist_task(config, optimizer=None, callbacks=()) -> Task:
     return Task(
         build_model=lambda: build_model(config), sources=sources,
         loss=LOSS, metrics=METRICS, optimizer=optimizer, callbacks=tuple(callbacks), signature=model_signature(config),
-        device_transform=device_transform if on_device else None, preset=True, stage_ends=stage_ends(config),
+        device_transform=device_transform if on_device else None, per_worker_input=True, stage_ends=stage_ends(config),
     )

@@ -25,8 +25,9 @@ class Task:
       callbacks: Keras callbacks.
       signature: The model and its shape-defining options for checkpoints; None: read off the built model.
       device_transform: device_transform(x, step) on each replica's inputs (the preset's augmentation), or None.
-      preset: Whether this is an MNIST preset, whose arrays parameter servers shard per worker
-        (a user's training data must come as a dataset_fn there).
+      train_form: What the training data are, as errors name them ("a dataset_fn", "a tuple", ...).
+      per_worker_input: Whether each parameter-server worker can make its own input from the
+        training data: a dataset_fn, or the MNIST presets' arrays, which gpupar shards per worker.
       stage_ends: Where the model's pipeline stages end, for strategy=model_parallel when the
         config gives no stages (the presets' own split); None: the config must give them.
       early_start: What among the arguments started TensorFlow before gpupar could set up its
@@ -41,7 +42,8 @@ class Task:
     callbacks: Sequence = ()
     signature: Optional[dict] = None
     device_transform: Optional[Callable] = None
-    preset: bool = False
+    train_form: str = ""
+    per_worker_input: bool = False
     stage_ends: Optional[tuple] = None
     early_start: str = ""
 
@@ -85,8 +87,11 @@ def user_task(model_fn, train_data, eval_data, loss, metrics, optimizer, callbac
         return (sources.resolve(train_data, "train_data"),
                 None if eval_data is None else sources.resolve(eval_data, "eval_data"))
 
+    dataset_fn = callable(train_data) and not isinstance(train_data, (tuple, list))
     return Task(build_model, resolved, loss, metrics, optimizer, tuple(callbacks),
-                early_start=_early_start(optimizer, train_data, eval_data))
+                early_start=_early_start(optimizer, train_data, eval_data),
+                train_form="a dataset_fn" if dataset_fn else f"a {type(train_data).__name__}",
+                per_worker_input=dataset_fn)
 
 
 def _early_start(optimizer, train_data, eval_data) -> str:
