@@ -65,7 +65,7 @@ class Config:
       sync_batch_norm: Batch-norm statistics over the global batch rather than each replica's.
       seed: Seed for weights, shuffling and dropout.
       steps_per_epoch: Cap on the steps of each epoch, for quick runs; empty for a full pass.
-      metrics_json: Write the per-epoch history and final metrics to this JSON file; empty: model_dir/metrics.json (none with save=False).
+      metrics_json: Write the per-epoch history and final metrics to this JSON file, after every epoch; empty: model_dir/metrics.json (none with save=False).
       export_path: Save the trained model here as a .keras file that keras.models.load_model reads with Keras alone.
       augment: Randomly shift, rotate and zoom the training images.
       augment_on: Where augmentation runs: device (in the train step, batched) or host (tf.data, per image).

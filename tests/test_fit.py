@@ -422,3 +422,18 @@ def test_a_users_cnn_reaches_what_model_fit_reaches_on_fashion_mnist(tmp_path):
     report = json.loads(out.read_text())
     assert report["gpupar.fit"]["val_accuracy"][0] > 0.75  # chance is 0.10
     assert abs(report["gpupar.fit"]["val_accuracy"][0] - report["model.fit"]["val_accuracy"][0]) < 0.01
+
+
+def test_the_metrics_file_keeps_every_finished_epoch_when_a_run_dies(tmp_path):
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 2:
+                raise RuntimeError("the machine went away")
+
+    model_dir, metrics = str(tmp_path / "run"), tmp_path / "run" / "metrics.json"
+    with pytest.raises(RuntimeError, match="went away"):
+        _fit(_dense(), _data(), 1, epochs=3, save=True, model_dir=model_dir, callbacks=[Crash()])
+    assert [r["epoch"] for r in json.loads(metrics.read_text())["history"]] == [0, 1]  # written at each epoch's end
+    resumed = _fit(_dense(), _data(), 1, epochs=3, save=True, model_dir=model_dir, resume=True)
+    assert resumed.start_epoch == 2
+    assert [r["epoch"] for r in json.loads(metrics.read_text())["history"]] == [0, 1, 2]

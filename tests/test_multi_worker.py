@@ -131,6 +131,23 @@ def test_a_users_own_script_under_launch_trains_resumes_after_a_killed_worker_an
 
 
 @pytest.mark.slow
+def test_the_parameter_server_script_runs_unchanged_on_synchronous_workers(tmp_path):
+    """tests/scripts/user_dataset_fn.py, run with ps tasks in test_parameter_server.py, on two workers alone."""
+    script = os.path.join(os.path.dirname(__file__), "scripts", "user_dataset_fn.py")
+    launch = Launch(["--workers=2"], [sys.executable, script, str(tmp_path / "model"), "2"])
+    status = launch.finish(timeout=240)
+    assert status == 0, launch.output[-3000:]
+    launch.assert_no_strays()
+    done = dict(re.findall(r"\[(worker:\d)\] user_dataset_fn done: strategy: (MultiWorkerMirroredStrategy) .*val_accuracy "
+                           r"(?:\S+), weights", launch.output))
+    assert set(done) == {"worker:0", "worker:1"}, launch.output[-3000:]
+    weights = re.findall(r"\[worker:\d\] user_dataset_fn done: .*weights (\S+)", launch.output)
+    assert len(set(weights)) == 1  # two replicas of one synchronous run
+    metrics = json.loads((tmp_path / "model" / "metrics.json").read_text())
+    assert metrics["replicas"] == 2 and metrics["logs"]["val_accuracy"] > 0.9
+
+
+@pytest.mark.slow
 def test_sigterm_to_one_worker_stops_all_after_the_same_step_with_a_checkpoint(tmp_path):
     data_dir = make_idx_dir(tmp_path / "data", num_train=2048, num_test=100)
     model_dir = tmp_path / "model"

@@ -203,10 +203,12 @@ class Loop:
       summaries: The TensorBoard writer (gpupar.training.summaries.Summaries).
       callbacks: The Keras callbacks, as a keras.callbacks.CallbackList.
       gpu_sampler: The NVML sampler of the GPUs in use, or None.
+      after_epoch: after_epoch(history) once an epoch's checkpoint is saved (the metrics file), or None.
     """
 
-    def __init__(self, engine, config, checkpoints, summaries, callbacks=(), gpu_sampler=None):
+    def __init__(self, engine, config, checkpoints, summaries, callbacks=(), gpu_sampler=None, after_epoch=None):
         self.engine, self.config, self.checkpoints, self.summaries = engine, config, checkpoints, summaries
+        self.after_epoch = after_epoch
         self.callbacks = keras.callbacks.CallbackList(list(callbacks), model=engine.model, epochs=config.epochs,
                                                       steps=engine.steps_per_epoch, verbose=0)
         self.gpu_sampler, self.gpus = gpu_sampler, []  # the GPUs' summaries over the last epoch
@@ -301,6 +303,8 @@ class Loop:
             history.append(record)
             self.summaries.epoch(epoch, record)
             saved = self._save(epoch, self.engine.steps_per_epoch, lambda: self.checkpoints.save_epoch(epoch + 1))
+            if self.after_epoch is not None:
+                self.after_epoch(history)
             log.info("Epoch:[%d] %s, %.1f s, %s examples/s%s%s", epoch, format_logs(record.logs), record.seconds,
                      f"{record.examples_per_second:,.0f}", _workers_note(record.updates_by_worker),
                      f", saved {saved}" if saved else "")

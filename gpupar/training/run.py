@@ -90,17 +90,15 @@ def _run(config: Config, engine, task, stop, cluster, scratch_dir, started) -> F
         gpu_sampler = utilisation.start_sampler(engine.visible_gpus, log)
         if gpu_sampler:
             cleanup.callback(gpu_sampler.stop)
-        loop = Loop(engine, config, checkpoints, summaries, task.callbacks, gpu_sampler)
+        loop = Loop(engine, config, checkpoints, summaries, task.callbacks, gpu_sampler,
+                    after_epoch=(lambda so_far: _result(engine, so_far, dict(so_far[-1].logs), started, start.epoch,
+                                                        checkpoints).write_json(config.metrics_json))
+                    if config.metrics_json else None)  # a run killed later keeps its epochs' records
         cleanup.callback(loop.profile.stop)
         history = loop.run(start, stop)
     logs = dict(history[-1].logs) if history else engine.evaluate()
-    total = time.perf_counter() - started
-    log.info("Final: %s; total time: %.1f s", format_logs(logs) or "no evaluation data", total)
-    result = FitResult(
-        model=engine.model, strategy=engine.strategy, history=history, logs=logs, total_seconds=total,
-        strategy_description=engine.description, replicas=engine.replicas, global_batch=engine.global_batch,
-        start_epoch=start.epoch, checkpoint=checkpoints.latest,
-    )
+    result = _result(engine, history, logs, started, start.epoch, checkpoints)
+    log.info("Final: %s; total time: %.1f s", format_logs(logs) or "no evaluation data", result.total_seconds)
     if config.metrics_json:
         result.write_json(config.metrics_json)
     if config.export_path and (cluster is None or cluster.is_chief):
@@ -108,6 +106,15 @@ def _run(config: Config, engine, task, stop, cluster, scratch_dir, started) -> F
         log.info("exported the model to %s (keras.models.load_model reads it)", config.export_path)
     log.info(describe_outputs(config, checkpoints.latest))
     return result
+
+
+def _result(engine, history, logs, started, start_epoch, checkpoints) -> FitResult:
+    """The FitResult of the epochs in `history`, this run's so far."""
+    return FitResult(
+        model=engine.model, strategy=engine.strategy, history=list(history), logs=logs,
+        total_seconds=time.perf_counter() - started, strategy_description=engine.description, replicas=engine.replicas,
+        global_batch=engine.global_batch, start_epoch=start_epoch, checkpoint=checkpoints.latest,
+    )
 
 
 @contextlib.contextmanager
