@@ -61,6 +61,12 @@ class Launch:
             time.sleep(0.2)
         raise AssertionError(f"no {pattern!r} within {timeout} s:\n{self.output[-4000:]}")
 
+    def kill_when(self, pattern: str, task: str, timeout: float = 120):
+        """SIGKILLs `task` (its newest process) once a line matches `pattern`, as a machine that dies would; the match."""
+        match = self.wait_for(pattern, timeout)
+        os.kill(self.task_pids()[task][-1], signal.SIGKILL)
+        return match
+
     def finish(self, timeout: float) -> int:
         """The launcher's exit status; on timeout it and every task are killed and the test fails."""
         try:

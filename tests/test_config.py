@@ -76,6 +76,13 @@ def test_config_is_frozen():
         (dict(jit_compile=1), "jit_compile=1: must be True or False"),
         (dict(intra_op_threads=-1), "intra_op_threads=-1: must be a whole number >= 0 (0 leaves it to TensorFlow)"),
         (dict(stop_at_accuracy=1.5), "stop_at_accuracy=1.5: must be an accuracy in (0, 1]"),
+        (dict(accumulate_steps=0), "accumulate_steps=0: must be a whole number > 0"),
+        (dict(accumulate_steps=2.5), "accumulate_steps=2.5: must be a whole number > 0"),
+        (dict(strategy="model_parallel", stages=2.5), "stages=2.5: name the layers after which a new stage starts"),
+        (dict(strategy="model_parallel", stages=["a", True]), "True is not a layer name or index"),
+        (dict(strategy="model_parallel", stages="a,,b"), "'' is not a layer name or index"),
+        (dict(ps_shards=0), "ps_shards=0: must be a whole number > 0"),
+        (dict(ps_shards="2"), "ps_shards='2': must be a whole number > 0"),
     ],
 )
 def test_bad_values_are_one_clear_error(options, message):
@@ -118,6 +125,8 @@ def test_lists_parse_from_strings_and_sequences():
     assert Config(devices="/gpu:0,/GPU:1").devices == ("/gpu:0", "/GPU:1")
     assert Config(gpus="").gpus is None
     assert Config(gpus=0).gpus == (0,)
+    assert Config(strategy="model_parallel", stages="conv_out, 3").stages == ("conv_out", 3)
+    assert Config(strategy="model_parallel", stages=[1, "dense"]).stages == (1, "dense")
 
 
 @pytest.mark.parametrize("where", [(), ("within_epoch",)])

@@ -79,8 +79,7 @@ def test_a_worker_killed_mid_run_is_restarted_and_the_run_completes(tmp_path):
         "--dropout=0", "--display_step=1000", "--checkpoint_every_steps=4", f"--model_dir={model_dir}",
         f"--metrics_json={tmp_path / 'metrics.json'}"])
     try:
-        launch.wait_for(r"\[worker:0\] Epoch:\[0\] loss:", timeout=120)
-        os.kill(launch.task_pids()["worker:1"][0], signal.SIGKILL)
+        launch.kill_when(r"\[worker:0\] Epoch:\[0\] loss:", "worker:1")
         killed_at = _checkpoint_position(str(model_dir))  # the chief may still save once: read after the kill
         status = launch.finish(timeout=180)
     finally:
@@ -113,8 +112,7 @@ def test_a_users_own_script_under_launch_trains_resumes_after_a_killed_worker_an
     launch = Launch(["--workers=2", "--restarts=1"],
                     [sys.executable, USER_SCRIPT, str(model_dir), "multi_worker_mirrored", "4"])
     try:
-        launch.wait_for(r"\[worker:0\] Epoch:\[0\] loss:", timeout=120)
-        os.kill(launch.task_pids()["worker:1"][0], signal.SIGKILL)
+        launch.kill_when(r"\[worker:0\] Epoch:\[0\] loss:", "worker:1")
         status = launch.finish(timeout=180)
     finally:
         launch.kill_all()

@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import signal
 import sys
 
 import pytest
@@ -61,9 +60,7 @@ def _chief_lines(output):
 def test_coordinator_survives_a_worker_killed_and_restarted(ps_data, tmp_path):
     launch = Launch(["--workers=2", "--ps=1", "--restarts=1"], _flags(ps_data, tmp_path, epochs=4))
     try:
-        launch.wait_for(r"\[chief:0\] Epoch:\[0\] loss:.*val_accuracy", timeout=180)
-        victim = task_pids(launch.output)["worker:1"][0]
-        os.kill(victim, signal.SIGKILL)
+        launch.kill_when(r"\[chief:0\] Epoch:\[0\] loss:.*val_accuracy", "worker:1", timeout=180)
         status = launch.finish(timeout=240)
     finally:
         launch.kill_all()
@@ -114,11 +111,10 @@ def test_a_users_script_on_parameter_servers_survives_a_killed_worker_and_a_kill
     model_dir = tmp_path / "model"
     launch = _user_launch(["--workers=2", "--ps=1", "--restarts=2"], model_dir, 40)
     try:
-        launch.wait_for(r"\[chief:0\] Epoch:\[0\] loss:.*val_accuracy", timeout=180)
-        os.kill(task_pids(launch.output)["worker:1"][0], signal.SIGKILL)  # the coordinator re-runs its steps
+        launch.kill_when(r"\[chief:0\] Epoch:\[0\] loss:.*val_accuracy", "worker:1", timeout=180)  # re-run
         launch.wait_for(r"worker:1 ended with status -9; restarting it", timeout=60)
-        saved = launch.wait_for(r"\[chief:0\] Epoch:\[(\d+)\] loss:.*saved \S+ckpt-\d+", timeout=120)
-        os.kill(task_pids(launch.output)["chief:0"][0], signal.SIGKILL)  # the whole cluster starts again
+        # Then the chief: the whole cluster starts again.
+        saved = launch.kill_when(r"\[chief:0\] Epoch:\[(\d+)\] loss:.*saved \S+ckpt-\d+", "chief:0")
         status = launch.finish(timeout=300)
     finally:
         launch.kill_all()

@@ -90,10 +90,12 @@ def _run(config: Config, engine, task, stop, cluster, scratch_dir, started) -> F
         gpu_sampler = utilisation.start_sampler(engine.visible_gpus, log)
         if gpu_sampler:
             cleanup.callback(gpu_sampler.stop)
+        def write_metrics(so_far):  # after every epoch, so a run killed later keeps its epochs' records
+            _result(engine, so_far, dict(so_far[-1].logs), started, start.epoch, checkpoints).write_json(
+                config.metrics_json)
+
         loop = Loop(engine, config, checkpoints, summaries, task.callbacks, gpu_sampler,
-                    after_epoch=(lambda so_far: _result(engine, so_far, dict(so_far[-1].logs), started, start.epoch,
-                                                        checkpoints).write_json(config.metrics_json))
-                    if config.metrics_json else None)  # a run killed later keeps its epochs' records
+                    after_epoch=write_metrics if config.metrics_json else None)
         cleanup.callback(loop.profile.stop)
         history = loop.run(start, stop)
     logs = dict(history[-1].logs) if history else engine.evaluate()
