@@ -22,7 +22,6 @@ from absl import flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from benchmarks import script  # noqa: E402
-from gpupar.config import Config  # noqa: E402
 from gpupar.errors import GpuparError  # noqa: E402
 from gpupar.monitor.bottleneck import MIN_STEPS  # noqa: E402
 from gpupar import diagnose_mnist  # noqa: E402
@@ -48,9 +47,8 @@ def benchmark(data_dir, batch_size, steps, repeats) -> dict:
     verdicts = {name: [] for name in PLACEMENTS}
     for _ in range(repeats):
         for name, options in PLACEMENTS.items():
-            config = Config(data_dir=data_dir, dataset="fashion_mnist", batch_size=batch_size,
-                            strategy="one_device", **options)
-            report = diagnose_mnist(config, steps)
+            report = diagnose_mnist(steps=steps, data_dir=data_dir, dataset="fashion_mnist", batch_size=batch_size,
+                                    strategy="one_device", **options)
             for key in results[name]:
                 results[name][key].append(getattr(report, key))
             verdicts[name].append(report.bound_by)

@@ -31,7 +31,7 @@ from absl import logging as absl_logging  # noqa: E402
 
 from benchmarks import script  # noqa: E402
 from gpupar.config import Config  # noqa: E402
-from gpupar.data import mnist, pipeline  # noqa: E402
+from gpupar.data import array_pipeline as pipeline, mnist_images as mnist  # noqa: E402
 from gpupar.errors import GpuparError  # noqa: E402
 from gpupar.models import convnet, lstm  # noqa: E402
 from gpupar.models.staged import build_on_stages  # noqa: E402
@@ -39,8 +39,8 @@ from gpupar.runtime.devices import configure_devices  # noqa: E402
 from gpupar.runtime.stages import StagePlan, plan_stages  # noqa: E402
 from gpupar.runtime.teardown import keep_for_process  # noqa: E402
 from gpupar.training.objective import Objective  # noqa: E402
-from gpupar.training.pipeline import Pipeline, make_train_function  # noqa: E402
-from gpupar.training.presets import LOSS, METRICS  # noqa: E402
+from gpupar.presets.mnist import LOSS, METRICS  # noqa: E402
+from gpupar.training.modes.model_parallel import Stages, make_train_function  # noqa: E402
 
 FLAGS = flags.FLAGS
 MICROBATCHES = (1, 4)
@@ -77,7 +77,7 @@ def pipelined(build, ends, plan, microbatches, sample):
     optimizer.build(model.trainable_variables)
     images, labels = sample
     objective = Objective(LOSS, METRICS, labels, model(images).numpy())
-    return make_train_function(Pipeline(model, stage_of, plan, objective, microbatches), optimizer)
+    return make_train_function(Stages(model, stage_of, plan, objective, microbatches), optimizer)
 
 
 def ideal_speedup(stages: int, microbatches: int) -> float:

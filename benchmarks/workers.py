@@ -89,26 +89,26 @@ def gpupar_runner(spec):
     """gpupar's engine, set up as gpupar.fit_mnist would: calls of steps_per_call steps."""
     from benchmarks.ops import op_seconds
     from benchmarks.user_model import user_cnn, user_loss
-    from gpupar.config import Config
     from gpupar.data.idx import load_idx_dir
-    from gpupar.training.engine import build_engine
-    from gpupar.training.presets import mnist_task
+    from gpupar.presets.mnist import mnist_run
+    from gpupar.presets.mnist_options import mnist_options
+    from gpupar.training import modes
+    from gpupar.training.setup import build_engine
     from gpupar.training.task import user_task
 
     replicas, options = spec["replicas"], dict(spec["options"])
     user = options.pop("user_model", False)
-    config = Config(dataset="fashion_mnist", data_dir=spec["data_dir"], batch_size=spec["batch_size"],
-                    virtual_cpus=replicas if replicas > 1 else None, **options)
+    config, task = mnist_run(*mnist_options(options=dict(
+        dataset="fashion_mnist", data_dir=spec["data_dir"], batch_size=spec["batch_size"],
+        virtual_cpus=replicas if replicas > 1 else None, **options)))
     if user:  # the user CNN through gpupar.fit's own path
         splits = load_idx_dir(spec["data_dir"])
         task = user_task(user_cnn, (splits.train_images, splits.train_labels), None, user_loss(), ["accuracy"],
                          None, ())
-    else:
-        task = mnist_task(config)
-    engine = build_engine(config, task)
+    engine = build_engine(config, task, modes.checked(config))
     if engine.replicas != replicas:
         raise SystemExit(f"benchmarks.workers: asked for {replicas} replicas, got {engine.description}")
-    iterator = engine.make_input(0)
+    iterator = engine.start(0)
     engine.run_calls(iterator, 1, first_call=True)
     say(first_step_seconds=time.perf_counter() - STARTED, strategy=";".join(engine.description.split(";")[:2]),
         steps_per_call=engine.steps_per_call)
@@ -130,7 +130,7 @@ def fit_runner(spec):
     import keras
     import tensorflow as tf
 
-    from gpupar.data import mnist, pipeline
+    from gpupar.data import array_pipeline as pipeline, mnist_images as mnist
     from gpupar.runtime.devices import plan_threads
     from gpupar.data.idx import load_idx_dir
     from gpupar.models.convnet import build_convnet

@@ -30,6 +30,7 @@ _LAZY = {
     "build_convnet": "gpupar.models.convnet",
     "build_lstm": "gpupar.models.lstm",
     "train_and_evaluate": "gpupar.training.run",
+    "MnistOptions": "gpupar.presets.mnist_options",
     "TrainingInterrupted": "gpupar.training.interrupt",
     "FitResult": "gpupar.training.result",
     "EpochRecord": "gpupar.training.result",
@@ -72,12 +73,9 @@ def __dir__():
 
 def _fit_config(config, options) -> Config:
     """The Config of gpupar.fit: the options over `config`, none of them an MNIST preset's."""
-    from gpupar.config import MNIST_OPTIONS
+    from gpupar.presets.mnist_options import OPTION_NAMES
 
-    given = [name for name in options if name in MNIST_OPTIONS]
-    if config is not None:
-        defaults = Config()
-        given += [name for name in MNIST_OPTIONS if getattr(config, name) != getattr(defaults, name)]
+    given = [name for name in options if name in OPTION_NAMES]
     if given:
         raise GpuparError(f"{given[0]} is an option of the MNIST presets (gpupar.fit_mnist); gpupar.fit trains your "
                           "model on your data: build those into model_fn and train_data"
@@ -126,14 +124,15 @@ def fit(model_fn, train_data, eval_data=None, loss="sparse_categorical_crossentr
     return train_and_evaluate(config, user_task(model_fn, train_data, eval_data, loss, metrics, optimizer, callbacks))
 
 
-def fit_mnist(config: Config = None, optimizer=None, callbacks=(), **options):
-    """Trains the MNIST ConvNet (or config.model) on (Fashion-)MNIST: gpupar.fit with a preset model and data.
+def fit_mnist(config: Config = None, optimizer=None, callbacks=(), preset=None, **options):
+    """Trains the MNIST ConvNet (or preset.model) on (Fashion-)MNIST: gpupar.fit with a preset model and data.
 
     Args:
       config: A Config; None for the defaults.
       optimizer: A Keras optimizer instead of Adam(learning_rate), e.g. keras.optimizers.SGD(0.1).
       callbacks: keras.callbacks.Callback objects.
-      **options: Config fields, over `config`; an unknown one is an error.
+      preset: The preset's options (gpupar.MnistOptions: dataset, data_dir, model, ...); None for the defaults.
+      **options: Config fields over `config`, and MnistOptions fields over `preset`; an unknown one is an error.
 
     Returns:
       A FitResult: the trained model, the per-epoch history, the final logs (test_accuracy is val_accuracy).
@@ -142,11 +141,11 @@ def fit_mnist(config: Config = None, optimizer=None, callbacks=(), **options):
       GpuparError: a bad option (before TensorFlow starts) or input, a failed save, a non-finite loss.
       TrainingInterrupted: SIGINT or SIGTERM, after saving a checkpoint.
     """
-    config = Config.from_options(config, **options)
-    from gpupar.training.presets import mnist_task
+    from gpupar.presets.mnist import mnist_run
+    from gpupar.presets.mnist_options import mnist_options
     from gpupar.training.run import train_and_evaluate
 
-    return train_and_evaluate(config, mnist_task(config, optimizer, callbacks))
+    return train_and_evaluate(*mnist_run(*mnist_options(config, preset, options), optimizer, callbacks))
 
 
 def diagnose(model_fn, train_data, loss="sparse_categorical_crossentropy", metrics=("accuracy",), optimizer=None,
@@ -158,34 +157,35 @@ def diagnose(model_fn, train_data, loss="sparse_categorical_crossentropy", metri
       steps: Timed steps in each of the three measurements.
 
     Returns:
-      A gpupar.monitor.diagnose.Report: the three rates, the verdict and what to change.
+      A gpupar.commands.diagnose.Report: the three rates, the verdict and what to change.
 
     Raises:
       GpuparError: a bad option or input.
     """
     config = _fit_config(config, options)
-    from gpupar.monitor.diagnose import diagnose as measure
+    from gpupar.commands.diagnose import diagnose as measure
     from gpupar.training.task import user_task
 
     return measure(config, user_task(model_fn, train_data, None, loss, metrics, optimizer, ()), steps)
 
 
-def diagnose_mnist(config: Config = None, steps: int = 30, **options):
+def diagnose_mnist(config: Config = None, steps: int = 30, preset=None, **options):
     """Measures what bounds training of an MNIST preset under these options: the input pipeline or the step.
 
     Args:
       config: A Config; None for the defaults.
       steps: Timed steps in each of the three measurements.
-      **options: Config fields, over `config`.
+      preset: The preset's options (gpupar.MnistOptions); None for the defaults.
+      **options: Config fields over `config`, and MnistOptions fields over `preset`.
 
     Returns:
-      A gpupar.monitor.diagnose.Report: the three rates, the verdict and what to change.
+      A gpupar.commands.diagnose.Report: the three rates, the verdict and what to change.
 
     Raises:
       GpuparError: a bad option or input.
     """
-    config = Config.from_options(config, **options)
-    from gpupar.monitor.diagnose import diagnose as measure
-    from gpupar.training.presets import mnist_task
+    from gpupar.commands.diagnose import diagnose as measure
+    from gpupar.presets.mnist import mnist_run
+    from gpupar.presets.mnist_options import mnist_options
 
-    return measure(config, mnist_task(config), steps)
+    return measure(*mnist_run(*mnist_options(config, preset, options)), steps)

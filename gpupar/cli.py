@@ -22,26 +22,35 @@ import typing
 from absl import app, flags
 from absl import logging as absl_logging
 
-from gpupar.config import Config, field_help
+from gpupar.config import PARTS, Config, attribute_help
 from gpupar.errors import GpuparError
 from gpupar.monitor.bottleneck import MIN_STEPS
 from gpupar.runtime.startup import start_tensorflow, wants_start_up_lines
 from gpupar.runtime.teardown import exit_without_teardown
 
 FLAGS = flags.FLAGS
-_DEFAULTS = Config()
+
+
+def option_fields():
+    """(name, default, help, type) of every training option, in the flags' order: the Config's parts, its seed,
+    then the MNIST presets' options."""
+    from gpupar.presets.mnist_options import MnistOptions
+
+    rows = []
+    for part in [part for _, part in PARTS] + [MnistOptions]:
+        helps, hints, defaults = part.field_help(), typing.get_type_hints(part), part()
+        rows += [(f.name, getattr(defaults, f.name), helps[f.name], hints[f.name]) for f in dataclasses.fields(part)]
+        if part is PARTS[-1][1]:
+            rows.append(("seed", Config().seed, attribute_help(Config.__doc__)["seed"], int))
+    return rows
 
 
 def _define_flags():
-    """Defines one flag per Config field, with the field's default and docstring help."""
+    """Defines one flag per option, with its default and docstring help."""
     # absl.logging's --log_dir (for log files it only writes when asked) would shadow ours.
     if "log_dir" in FLAGS:
         delattr(FLAGS, "log_dir")
-    helps = field_help()
-    hints = typing.get_type_hints(Config)
-    for field in dataclasses.fields(Config):
-        name, default, text = field.name, getattr(_DEFAULTS, field.name), helps[field.name]
-        hint = hints[name]
+    for name, default, text, hint in option_fields():
         if name == "resume":
             flags.DEFINE_boolean("resume", False, "Continue from the latest checkpoint in --model_dir.")
             flags.DEFINE_string("resume_from", None, "Restore this checkpoint, e.g. runs/m/ckpt-3.")
@@ -51,7 +60,7 @@ def _define_flags():
             flags.DEFINE_integer(name, default, text)
         elif float in (hint, *typing.get_args(hint)):
             flags.DEFINE_float(name, default, text)
-        else:  # strings, and comma-separated lists that Config parses
+        else:  # strings, and comma-separated lists that the options parse
             flags.DEFINE_string(name, None if default is None else str(default), text)
 
 
@@ -96,25 +105,25 @@ HELP_FLAGS = ("--help", "-h", "--helpshort", "-?")
 
 
 def flag_rows():
-    """(flag, default, help) for every flag of training, in Config's order: what --help and docs/flags.md list."""
-    helps, rows = field_help(), []
-    for field in dataclasses.fields(Config):
-        default = getattr(_DEFAULTS, field.name)
-        if field.name == "resume":
+    """(flag, default, help) for every flag of training, in the options' order: what --help and docs/flags.md list."""
+    rows = []
+    for name, default, text, _ in option_fields():
+        if name == "resume":
             rows.append(("--resume", "False", "Continue from the latest checkpoint in --model_dir (empty: the latest "
                                               "run under runs/)."))
             rows.append(("--resume_from=PATH", "", "Restore this checkpoint, e.g. runs/001/ckpt-3."))
         elif isinstance(default, bool):
-            rows.append((f"--[no]{field.name}", str(default), helps[field.name]))
+            rows.append((f"--[no]{name}", str(default), text))
         else:
-            rows.append((f"--{field.name}=...", "" if default is None else str(default), helps[field.name]))
+            rows.append((f"--{name}=...", "" if default is None else str(default), text))
     return rows
 
 
 def flags_markdown() -> str:
     """docs/flags.md: the table of every flag, generated from Config's field docstrings (make docs)."""
-    lines = ["# Flags", "", "Generated from `gpupar.Config` by `make docs`; the same names are the options of "
-             "`gpupar.fit_mnist` and the fields of `gpupar.Config`. Every flag is optional.", "",
+    lines = ["# Flags", "", "Generated from `gpupar.Config` and `gpupar.MnistOptions` by `make docs`; the same names "
+             "are the options of `gpupar.fit_mnist`, and all but the MNIST presets' (dataset through "
+             "stop_at_accuracy) those of `gpupar.fit`. Every flag is optional.", "",
              "| flag | default | meaning |", "| --- | --- | --- |"]
     lines += [f"| `{flag}` | {f'`{default}`' if default else ''} | {text.replace('|', '/')} |"
               for flag, default, text in flag_rows()]
@@ -150,7 +159,7 @@ def _error(message, status):
 
 
 def _plot(args):
-    from gpupar.monitor import plot
+    from gpupar.commands import plot
 
     if len(args) != 1:
         return _error("usage: gpupar plot METRICS.json -o OUTPUT.png (one metrics file)", 2)
@@ -163,8 +172,8 @@ def _plot(args):
     return 0
 
 
-def _devices(config):
-    from gpupar.monitor import device_check, device_report
+def _devices(config, preset):
+    from gpupar.commands import device_check, device_report
 
     try:
         if FLAGS.check:
@@ -178,28 +187,30 @@ def _devices(config):
     return 0
 
 
-def _diagnose(config):
+def _diagnose(config, preset):
     from gpupar import diagnose_mnist
 
     try:
-        report = diagnose_mnist(config, FLAGS.diagnose_steps)
+        report = diagnose_mnist(config, FLAGS.diagnose_steps, preset)
     except GpuparError as e:
         return _error(e, 1)
     print(report.to_json() if FLAGS.json else report.format(), flush=True)
     return 0
 
 
-def config_from_flags() -> Config:
-    """The Config the parsed flags describe."""
-    options = {f.name: FLAGS[f.name].value for f in dataclasses.fields(Config)}
+def config_from_flags():
+    """(the Config, the MNIST preset's options) that the parsed flags describe."""
+    from gpupar.presets.mnist_options import mnist_options
+
+    options = {name: FLAGS[name].value for name, *_ in option_fields()}
     options["resume"] = FLAGS.resume_from or FLAGS.resume
-    return Config(**options)
+    return mnist_options(options=options)
 
 
 def _launch(task_flags):
     from gpupar.runtime import launch
 
-    given = sorted(f.name for f in dataclasses.fields(Config) if FLAGS[f.name].present)
+    given = sorted(name for name, *_ in option_fields() if FLAGS[name].present)
     if given:
         return _error(f"--{given[0]} is a training flag: put it after --, e.g. gpupar launch --workers=2 -- "
                       f"--{given[0]}=...", 2)
@@ -210,13 +221,13 @@ def _launch(task_flags):
         return _error(e, 2)
 
 
-def _train(config):
+def _train(config, preset):
+    from gpupar.presets.mnist import mnist_run
     from gpupar.training.interrupt import TrainingInterrupted
-    from gpupar.training.presets import mnist_task
     from gpupar.training.run import train_and_evaluate
 
     try:
-        train_and_evaluate(config, mnist_task(config))
+        train_and_evaluate(*mnist_run(config, preset))
     except TrainingInterrupted as e:
         print(f"gpupar: {e}", file=sys.stderr)
         return e.exit_status
@@ -246,11 +257,24 @@ def main(argv, show_start_up_lines=False):
     if args:
         return _error(f"unexpected argument(s) {' '.join(args)} after {command}", 2)
     try:
-        config = config_from_flags()
+        config, preset = config_from_flags()
     except GpuparError as e:
         return _error(e, 2)
     start_tensorflow(show_start_up_lines)
-    return _RUNS[command](config)
+    if command is None:
+        try:
+            _checked_mode(config)
+        except GpuparError as e:
+            return _error(e, 2)
+    return _RUNS[command](config, preset)
+
+
+def _checked_mode(config):
+    """Refuses the options the run's mode cannot run (a bad flag value, exit status 2), before training starts."""
+    from gpupar.runtime.cluster import detect_cluster
+    from gpupar.training import modes
+
+    modes.checked(config, detect_cluster(slurm_ps=config.distribution.slurm_ps))
 
 
 def run():

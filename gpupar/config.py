@@ -1,4 +1,13 @@
-"""The one frozen configuration shared by the Python API, the CLI flags and the tests.
+"""The one frozen configuration shared by the Python API, the CLI flags and the tests, in parts.
+
+A Config holds one part per layer that reads it: `device_setup` (gpupar.runtime.devices),
+`distribution` (the strategy and the modes), `step` (the train step), `input` (the input
+pipelines), `loop` (the outer loop) and `outputs` (checkpoints, logs, metrics, export), plus the
+`seed` that all of them share. Each layer receives only its part. Options are given flat, by
+field name (`Config(epochs=3, strategy="mirrored")`, `--epochs=3`): every field name is unique
+across the parts. The MNIST presets' own options are a part of their own, beside the Config
+(gpupar.presets.mnist.MnistOptions); the options a mode cannot run are refused by the mode
+(gpupar.training.modes), which the run asks before TensorFlow starts.
 
 Importing this module does not import TensorFlow, so every value is checked before any
 TensorFlow work starts.
@@ -7,191 +16,59 @@ TensorFlow work starts.
 import dataclasses
 import os
 import re
-from typing import Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from gpupar.errors import GpuparError
 
-AUGMENT_PLACEMENTS = ("device", "host")
-# The options of the MNIST presets (gpupar.fit_mnist), which gpupar.fit refuses.
-MNIST_OPTIONS = ("dataset", "data_dir", "model", "dropout", "sync_batch_norm", "augment", "augment_on", "lstm_layers",
-                 "lstm_units", "stop_at_accuracy")
 STRATEGIES = ("auto", "one_device", "mirrored", "central_storage", "multi_worker_mirrored", "parameter_server")
-# gpupar's own pipeline (gpupar/training/pipeline.py), not a tf.distribute strategy.
+# gpupar's own pipelined stages (gpupar.training.modes.model_parallel), not a tf.distribute strategy.
 MODEL_PARALLEL = "model_parallel"
-# The engines a run can need (gpupar.training.engine), by run_mode.
-SYNCHRONOUS, PIPELINE, PARAMETER_SERVERS = "synchronous", "pipeline", "parameter servers"
 STRATEGY_CHOICES = (*STRATEGIES, MODEL_PARALLEL)
-MODELS = ("convnet", "lstm")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
-DATASETS = ("mnist", "fashion_mnist")
 NAN_POLICIES = ("stop", "skip")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 _DEVICE_NAME = re.compile(r"^/(device:)?(cpu|gpu):\d+$", re.IGNORECASE)
+_THREADS_HINT = " (0 leaves it to TensorFlow), or empty to let gpupar choose"
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Everything one training run needs.
-
-    Attributes:
-      epochs: Total epochs to train; a resumed run stops at the same total.
-      stop_at_accuracy: MNIST presets: stop after the first epoch whose test accuracy reaches this (e.g. 0.89); empty trains all epochs.
-      stop_at: Stop after the first epoch whose logs reach these, e.g. "val_accuracy=0.9" (a loss: at or below); empty trains all epochs.
-      batch_size: Examples per replica per step; the global batch is this times the replicas (and times accumulate_steps).
-      accumulate_steps: Add up the gradients of this many batches on each replica, then all-reduce and update once: one step on an N-times larger batch, in the memory of one batch (synchronous strategies).
-      learning_rate: Adam learning rate.
-      strategy: auto, one_device, mirrored, central_storage, multi_worker_mirrored, parameter_server or model_parallel.
-      devices: Device names overriding detection, e.g. "/gpu:0,/gpu:1".
-      cross_device_ops: All-reduce: auto, nccl, hierarchical_copy or reduction_to_one_device.
-      gpus: GPU indices to make visible, e.g. "0,1" (like CUDA_VISIBLE_DEVICES); empty for all.
-      memory_growth: Allocate GPU memory as needed instead of all at once (TF1 allow_growth).
-      memory_limit_mb: Cap each visible GPU at this many MiB.
-      memory_fraction: Cap each visible GPU at this fraction of its memory (TF1 per_process_gpu_memory_fraction).
-      soft_placement: Run ops that have no kernel on the requested device somewhere else.
-      log_placement: Log the device every op runs on.
-      virtual_cpus: Split the CPU into this many logical devices, for multi-device runs without GPUs.
-      dataset: TFDS dataset: mnist or fashion_mnist.
-      data_dir: Folder with the four MNIST-format IDX files (gzipped or not); empty loads from TFDS.
-      model_dir: Folder of this run: its checkpoints, and by default its TensorBoard logs and metrics; empty: a new numbered folder under runs/ (runs/001, ...; with resume, the latest).
-      save: Write checkpoints, and by default TensorBoard logs and metrics, into model_dir; False writes no checkpoint, and only the log_dir and metrics_json given.
-      resume: True continues from the latest checkpoint in model_dir (empty model_dir: the latest run under runs/); a path restores that checkpoint.
-      max_to_keep: Checkpoints kept in model_dir; empty keeps all.
-      checkpoint_every_steps: Also save within an epoch every this many steps; empty saves per epoch only.
-      log_dir: TensorBoard folder; empty: model_dir/tensorboard (none with save=False).
-      display_step: Print a progress line every this many steps.
-      steps_per_call: Train steps run inside one tf.function call; empty runs display_step steps per call (capped at the epoch), so the host reads results once per progress line.
-      nan_policy: A step with a NaN or Inf loss or gradient: stop (error, last checkpoint kept) or skip it.
-      dropout: Dropout rate before the last layer.
-      sync_batch_norm: Batch-norm statistics over the global batch rather than each replica's.
-      seed: Seed for weights, shuffling and dropout.
-      steps_per_epoch: Cap on the steps of each epoch, for quick runs; empty for a full pass.
-      metrics_json: Write the per-epoch history and final metrics to this JSON file, after every epoch; empty: model_dir/metrics.json (none with save=False).
-      export_path: Save the trained model here as a .keras file that keras.models.load_model reads with Keras alone.
-      augment: Randomly shift, rotate and zoom the training images.
-      augment_on: Where augmentation runs: device (in the train step, batched) or host (tf.data, per image).
-      num_parallel_calls: Threads for the tf.data map; empty lets tf.data tune it (AUTOTUNE).
-      deterministic: Keep the exact example order; False lets a ready example overtake a slow one (no exact replay on resume).
-      data_threads: Give tf.data a private pool of this many threads; empty uses TensorFlow's shared pool.
-      profile_steps: Capture a TensorBoard profile of this run's steps FIRST,LAST (e.g. 20,40) into log_dir.
-      model: convnet, or lstm (stacked LSTM over the 28 image rows).
-      lstm_layers: LSTM layers of model=lstm; model_parallel puts each on its own device.
-      lstm_units: Units in each LSTM layer of model=lstm.
-      stages: model_parallel: the layers after which a new stage starts, by name or index, e.g. "conv_out,dense_1" or "3,7" (Sequential or single-chain models); empty for the MNIST presets' own split.
-      microbatches: model_parallel: pipeline each replica's batch as this many micro-batches.
-      precision: float32, mixed_bfloat16 (CPUs with bfloat16 units, TPUs) or mixed_float16 (GPUs; with dynamic loss scaling).
-      jit_compile: Compile each train step with XLA (one replica only: tf.distribute's all-reduce cannot be compiled).
-      intra_op_threads: Threads one op may use; empty lets gpupar choose from the cores and replicas, 0 leaves it to TensorFlow.
-      inter_op_threads: Ops run at once; empty lets gpupar choose from the cores and replicas, 0 leaves it to TensorFlow.
-      slurm_ps: Under SLURM, how many tasks are parameter servers (after task 0, the chief); 0 for synchronous.
-      ps_shards: parameter_server: split each variable of 256 KiB or more into up to this many shards over the ps tasks (1: none); empty: one per ps task.
-    """
-
-    epochs: int = 5
-    stop_at_accuracy: Optional[float] = None
-    stop_at: Optional[Mapping[str, float]] = None
-    batch_size: int = 1024
-    accumulate_steps: int = 1
-    learning_rate: float = 1e-3
-    strategy: str = "auto"
-    devices: Optional[Tuple[str, ...]] = None
-    cross_device_ops: str = "auto"
-    gpus: Optional[Tuple[int, ...]] = None
-    memory_growth: bool = False
-    memory_limit_mb: Optional[int] = None
-    memory_fraction: Optional[float] = None
-    soft_placement: bool = True
-    log_placement: bool = False
-    virtual_cpus: Optional[int] = None
-    dataset: str = "mnist"
-    data_dir: Optional[str] = None
-    model_dir: Optional[str] = None
-    save: bool = True
-    resume: Union[bool, str] = False
-    max_to_keep: Optional[int] = None
-    checkpoint_every_steps: Optional[int] = None
-    log_dir: Optional[str] = None
-    display_step: int = 10
-    steps_per_call: Optional[int] = None
-    nan_policy: str = "stop"
-    dropout: float = 0.5
-    sync_batch_norm: bool = False
-    seed: int = 0
-    steps_per_epoch: Optional[int] = None
-    metrics_json: Optional[str] = None
-    export_path: Optional[str] = None
-    augment: bool = False
-    augment_on: str = "device"
-    num_parallel_calls: Optional[int] = None
-    deterministic: bool = True
-    data_threads: Optional[int] = None
-    profile_steps: Optional[Tuple[int, int]] = None
-    model: str = "convnet"
-    lstm_layers: int = 3
-    lstm_units: int = 128
-    stages: Optional[Tuple[Union[str, int], ...]] = None
-    microbatches: int = 1
-    precision: str = "float32"
-    jit_compile: bool = False
-    intra_op_threads: Optional[int] = None
-    inter_op_threads: Optional[int] = None
-    slurm_ps: int = 0
-    ps_shards: Optional[int] = None
-
-    def __post_init__(self):
-        object.__setattr__(self, "gpus", _parse_gpus(self.gpus))
-        object.__setattr__(self, "profile_steps", _parse_profile_steps(self.profile_steps))
-        object.__setattr__(self, "devices", _parse_devices(self.devices))
-        object.__setattr__(self, "stop_at", _parse_stop_at(self.stop_at))
-        object.__setattr__(self, "stages", _parse_stages(self.stages))
-        for name in ("data_dir", "model_dir", "log_dir", "metrics_json", "export_path"):
-            if getattr(self, name) == "":
-                object.__setattr__(self, name, None)
-        if self.resume in ("", None):
-            object.__setattr__(self, "resume", False)
-        _validate(self)
-
-    @classmethod
-    def from_options(cls, base: Optional["Config"] = None, **options) -> "Config":
-        """A Config from keyword options over `base` (or the defaults); unknown options are errors."""
-        unknown = sorted(set(options) - set(field_names()))
-        if unknown:
-            raise GpuparError(
-                f"unknown option(s) {', '.join(unknown)}; valid options are: "
-                f"{', '.join(field_names())}"
-            )
-        return dataclasses.replace(base, **options) if base is not None else cls(**options)
-
-    def steps_in_a_call(self, steps_per_epoch: int) -> int:
-        """Train steps per tf.function call: steps_per_call, else display_step capped at the epoch."""
-        return self.steps_per_call or min(self.display_step, steps_per_epoch)
-
-    def reached(self, logs) -> Optional[str]:
-        """Why training should stop after an epoch with these logs (stop_at, stop_at_accuracy), or None."""
-        targets = dict(self.stop_at or {})
-        if self.stop_at_accuracy is not None:
-            targets["val_accuracy"] = self.stop_at_accuracy
-        for name, target in targets.items():
-            value = logs.get(name)
-            if value is not None and (value <= target if "loss" in name else value >= target):
-                return f"{name} {value:.4f} reached {target}"
-        return None
-
-    @property
-    def resume_path(self) -> Optional[str]:
-        """The checkpoint path given as `resume`, or None when resume is True/False."""
-        return self.resume if isinstance(self.resume, str) else None
+# Each field's own rule: a function (name, value) that raises GpuparError for a bad value.
+def whole(least: int):
+    """A whole number >= least."""
+    def rule(name, value):
+        hint = _THREADS_HINT if name.endswith("_threads") else ""
+        bound = "> 0" if least == 1 else f">= {least}"
+        _check(_is_int(value) and value >= least, f"{name}={quote(value)}: must be a whole number {bound}{hint}")
+    return rule
 
 
-def field_names():
-    """The names of all Config fields, in declaration order."""
-    return [f.name for f in dataclasses.fields(Config)]
+def number(what: str, within):
+    """A number for which within(value) holds; `what` says which in the error."""
+    def rule(name, value):
+        _check(_is_number(value) and within(value), f"{name}={quote(value)}: must be {what}")
+    return rule
 
 
-def field_help():
-    """Maps each field name to its one-line help from the Attributes docstring."""
-    helps = {}
-    in_attributes = False
-    for line in Config.__doc__.splitlines():
+def optional(rule):
+    """The rule, or None (not given)."""
+    return lambda name, value: None if value is None else rule(name, value)
+
+
+def boolean(name, value):
+    _check(isinstance(value, bool), f"{name}={quote(value)}: must be True or False")
+
+
+def choice(names):
+    """One of `names`."""
+    def rule(name, value):
+        _check(isinstance(value, str) and value in names, f"{name}={quote(value)} is unknown; choose one of: "
+               f"{', '.join(names)}")
+    return rule
+
+
+def attribute_help(doc: str) -> Dict[str, str]:
+    """{name: one-line help} from the Attributes section of a docstring."""
+    helps, in_attributes = {}, False
+    for line in doc.splitlines():
         stripped = line.strip()
         if stripped == "Attributes:":
             in_attributes = True
@@ -199,6 +76,328 @@ def field_help():
             name, text = stripped.split(":", 1)
             helps[name] = text.strip()
     return helps
+
+
+class Options:
+    """The base of a frozen part of options: parses its fields, then checks each one by its rule.
+
+    A part declares `_rules` ({field: rule}), may parse fields from strings in `_parse` and checks
+    fields that must agree in `_check`.
+    """
+
+    _rules: Mapping[str, Any] = {}
+
+    def __post_init__(self):
+        self._parse()
+        for name, rule in self._rules.items():
+            rule(name, getattr(self, name))
+        self._check()
+
+    def _parse(self):
+        """Turns strings and lists given for a field into its value (flags give strings)."""
+
+    def _check(self):
+        """Checks the fields that must agree with each other."""
+
+    def _set(self, name, value):
+        object.__setattr__(self, name, value)
+
+    @classmethod
+    def field_names(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def field_help(cls) -> Dict[str, str]:
+        """Maps each field to its one-line help, from the part's Attributes docstring."""
+        return attribute_help(cls.__doc__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSetup(Options):
+    """The devices TensorFlow makes: visible GPUs, GPU memory, virtual CPUs, placement and threads.
+
+    Attributes:
+      gpus: GPU indices to make visible, e.g. "0,1" (like CUDA_VISIBLE_DEVICES); empty for all.
+      memory_growth: Allocate GPU memory as needed instead of all at once (TF1 allow_growth).
+      memory_limit_mb: Cap each visible GPU at this many MiB.
+      memory_fraction: Cap each visible GPU at this fraction of its memory (TF1 per_process_gpu_memory_fraction).
+      soft_placement: Run ops that have no kernel on the requested device somewhere else.
+      log_placement: Log the device every op runs on.
+      virtual_cpus: Split the CPU into this many logical devices, for multi-device runs without GPUs.
+      intra_op_threads: Threads one op may use; empty lets gpupar choose from the cores and replicas, 0 leaves it to TensorFlow.
+      inter_op_threads: Ops run at once; empty lets gpupar choose from the cores and replicas, 0 leaves it to TensorFlow.
+    """
+
+    gpus: Optional[Tuple[int, ...]] = None
+    memory_growth: bool = False
+    memory_limit_mb: Optional[int] = None
+    memory_fraction: Optional[float] = None
+    soft_placement: bool = True
+    log_placement: bool = False
+    virtual_cpus: Optional[int] = None
+    intra_op_threads: Optional[int] = None
+    inter_op_threads: Optional[int] = None
+
+    _rules = {"memory_growth": boolean, "memory_limit_mb": optional(whole(1)),
+              "memory_fraction": optional(number("a fraction in (0, 1]", lambda v: 0 < v <= 1)),
+              "soft_placement": boolean, "log_placement": boolean, "virtual_cpus": optional(whole(1)),
+              "intra_op_threads": optional(whole(0)), "inter_op_threads": optional(whole(0))}
+
+    def _parse(self):
+        self._set("gpus", _parse_gpus(self.gpus))
+
+    def _check(self):
+        _check(self.memory_fraction is None or self.memory_limit_mb is None,
+               "memory_fraction and memory_limit_mb both cap GPU memory; give only one of them")
+
+
+@dataclasses.dataclass(frozen=True)
+class Distribution(Options):
+    """How training is spread over the devices and tasks: the strategy, and each mode's own options.
+
+    Attributes:
+      strategy: auto, one_device, mirrored, central_storage, multi_worker_mirrored, parameter_server or model_parallel.
+      devices: Device names overriding detection, e.g. "/gpu:0,/gpu:1".
+      cross_device_ops: All-reduce: auto, nccl, hierarchical_copy or reduction_to_one_device.
+      stages: model_parallel: the layers after which a new stage starts, by name or index, e.g. "conv_out,dense_1" or "3,7" (Sequential or single-chain models); empty for the MNIST presets' own split.
+      microbatches: model_parallel: pipeline each replica's batch as this many micro-batches.
+      slurm_ps: Under SLURM, how many tasks are parameter servers (after task 0, the chief); 0 for synchronous.
+      ps_shards: parameter_server: split each variable of 256 KiB or more into up to this many shards over the ps tasks (1: none); empty: one per ps task.
+    """
+
+    strategy: str = "auto"
+    devices: Optional[Tuple[str, ...]] = None
+    cross_device_ops: str = "auto"
+    stages: Optional[Tuple[Union[str, int], ...]] = None
+    microbatches: int = 1
+    slurm_ps: int = 0
+    ps_shards: Optional[int] = None
+
+    _rules = {"strategy": choice(STRATEGY_CHOICES), "cross_device_ops": choice(CROSS_DEVICE_OPS),
+              "microbatches": whole(1), "slurm_ps": whole(0), "ps_shards": optional(whole(1))}
+
+    def _parse(self):
+        self._set("devices", _parse_devices(self.devices))
+        self._set("stages", _parse_stages(self.stages))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions(Options):
+    """What one train step computes, and how.
+
+    Attributes:
+      learning_rate: Adam learning rate.
+      accumulate_steps: Add up the gradients of this many batches on each replica, then all-reduce and update once: one step on an N-times larger batch, in the memory of one batch (synchronous strategies).
+      nan_policy: A step with a NaN or Inf loss or gradient: stop (error, last checkpoint kept) or skip it.
+      precision: float32, mixed_bfloat16 (CPUs with bfloat16 units, TPUs) or mixed_float16 (GPUs; with dynamic loss scaling).
+      jit_compile: Compile each train step with XLA (one replica only: tf.distribute's all-reduce cannot be compiled).
+    """
+
+    learning_rate: float = 1e-3
+    accumulate_steps: int = 1
+    nan_policy: str = "stop"
+    precision: str = "float32"
+    jit_compile: bool = False
+
+    _rules = {"learning_rate": number("a number > 0", lambda v: v > 0), "accumulate_steps": whole(1),
+              "nan_policy": choice(NAN_POLICIES), "precision": choice(PRECISIONS), "jit_compile": boolean}
+
+    def _check(self):
+        _check(not (self.precision == "mixed_float16" and self.nan_policy == "skip"),
+               "precision=mixed_float16 already skips the steps whose gradients overflow (dynamic loss scaling); "
+               "use it with nan_policy=stop")
+
+
+@dataclasses.dataclass(frozen=True)
+class InputOptions(Options):
+    """The batch and the tf.data pipelines that make it.
+
+    Attributes:
+      batch_size: Examples per replica per step; the global batch is this times the replicas (and times accumulate_steps).
+      num_parallel_calls: Threads for the tf.data map; empty lets tf.data tune it (AUTOTUNE).
+      deterministic: Keep the exact example order; False lets a ready example overtake a slow one (no exact replay on resume).
+      data_threads: Give tf.data a private pool of this many threads; empty uses TensorFlow's shared pool.
+    """
+
+    batch_size: int = 1024
+    num_parallel_calls: Optional[int] = None
+    deterministic: bool = True
+    data_threads: Optional[int] = None
+
+    _rules = {"batch_size": whole(1), "num_parallel_calls": optional(whole(1)), "deterministic": boolean,
+              "data_threads": optional(whole(1))}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopOptions(Options):
+    """The outer loop: epochs, calls of steps, progress lines, stops and what it observes.
+
+    Attributes:
+      epochs: Total epochs to train; a resumed run stops at the same total.
+      steps_per_epoch: Cap on the steps of each epoch, for quick runs; empty for a full pass.
+      display_step: Print a progress line every this many steps.
+      steps_per_call: Train steps run inside one tf.function call; empty runs display_step steps per call (capped at the epoch), so the host reads results once per progress line.
+      stop_at: Stop after the first epoch whose logs reach these, e.g. "val_accuracy=0.9" (a loss: at or below); empty trains all epochs.
+      checkpoint_every_steps: Also save within an epoch every this many steps; empty saves per epoch only.
+      profile_steps: Capture a TensorBoard profile of this run's steps FIRST,LAST (e.g. 20,40) into log_dir.
+    """
+
+    epochs: int = 5
+    steps_per_epoch: Optional[int] = None
+    display_step: int = 10
+    steps_per_call: Optional[int] = None
+    stop_at: Optional[Mapping[str, float]] = None
+    checkpoint_every_steps: Optional[int] = None
+    profile_steps: Optional[Tuple[int, int]] = None
+
+    _rules = {"epochs": whole(0), "steps_per_epoch": optional(whole(1)), "display_step": whole(1),
+              "steps_per_call": optional(whole(1)), "checkpoint_every_steps": optional(whole(1))}
+
+    def _parse(self):
+        self._set("stop_at", _parse_stop_at(self.stop_at))
+        self._set("profile_steps", _parse_profile_steps(self.profile_steps))
+
+    def steps_in_a_call(self, steps_per_epoch: int) -> int:
+        """Train steps per tf.function call: steps_per_call, else display_step capped at the epoch."""
+        return self.steps_per_call or min(self.display_step, steps_per_epoch)
+
+    def reached(self, logs) -> Optional[str]:
+        """Why training should stop after an epoch with these logs (stop_at), or None."""
+        for name, target in (self.stop_at or {}).items():
+            value = logs.get(name)
+            if value is not None and (value <= target if "loss" in name else value >= target):
+                return f"{name} {value:.4f} reached {target}"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputOptions(Options):
+    """What a run writes and reads back: checkpoints, TensorBoard logs, metrics, the exported model.
+
+    Attributes:
+      model_dir: Folder of this run: its checkpoints, and by default its TensorBoard logs and metrics; empty: a new numbered folder under runs/ (runs/001, ...; with resume, the latest).
+      save: Write checkpoints, and by default TensorBoard logs and metrics, into model_dir; False writes no checkpoint, and only the log_dir and metrics_json given.
+      resume: True continues from the latest checkpoint in model_dir (empty model_dir: the latest run under runs/); a path restores that checkpoint.
+      max_to_keep: Checkpoints kept in model_dir; empty keeps all.
+      log_dir: TensorBoard folder; empty: model_dir/tensorboard (none with save=False).
+      metrics_json: Write the per-epoch history and final metrics to this JSON file, after every epoch; empty: model_dir/metrics.json (none with save=False).
+      export_path: Save the trained model here as a .keras file that keras.models.load_model reads with Keras alone.
+    """
+
+    model_dir: Optional[str] = None
+    save: bool = True
+    resume: Union[bool, str] = False
+    max_to_keep: Optional[int] = None
+    log_dir: Optional[str] = None
+    metrics_json: Optional[str] = None
+    export_path: Optional[str] = None
+
+    _rules = {"save": boolean, "max_to_keep": optional(whole(1))}
+
+    def _parse(self):
+        for name in ("model_dir", "log_dir", "metrics_json", "export_path"):
+            if getattr(self, name) == "":
+                self._set(name, None)
+        if self.resume in ("", None):
+            self._set("resume", False)
+
+    def _check(self):
+        if self.export_path is not None:
+            _check(self.export_path.endswith(".keras"), f"export_path={quote(self.export_path)}: Keras saves models as "
+                   ".keras files; give a path that ends in .keras")
+        for name in ("log_dir", "metrics_json", "export_path"):
+            path = getattr(self, name)
+            if path is not None:
+                _check(_can_create(path), f"{name}={quote(path)} cannot be written; choose a path in a folder you can "
+                       "write")
+        _check_resume(self)
+
+    @property
+    def resume_path(self) -> Optional[str]:
+        """The checkpoint path given as `resume`, or None when resume is True/False."""
+        return self.resume if isinstance(self.resume, str) else None
+
+
+# The parts, in the order of the flags and the docs: (attribute of Config, class).
+PARTS = (("distribution", Distribution), ("device_setup", DeviceSetup), ("input", InputOptions),
+         ("step", StepOptions), ("loop", LoopOptions), ("outputs", OutputOptions))
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Config:
+    """Everything one training run needs, in one part per layer that reads it.
+
+    Attributes:
+      distribution: The strategy and each mode's options (Distribution).
+      device_setup: The devices TensorFlow makes (DeviceSetup).
+      input: The batch and its pipelines (InputOptions).
+      step: The train step (StepOptions).
+      loop: The outer loop (LoopOptions).
+      outputs: Checkpoints, logs, metrics and export (OutputOptions).
+      seed: Seed for weights, shuffling and dropout.
+    """
+
+    distribution: Distribution
+    device_setup: DeviceSetup
+    input: InputOptions
+    step: StepOptions
+    loop: LoopOptions
+    outputs: OutputOptions
+    seed: int
+
+    def __init__(self, seed: int = 0, **options):
+        """Builds every part from flat options, e.g. Config(epochs=3, strategy="mirrored").
+
+        Raises:
+          GpuparError: an unknown option (the message lists the valid ones) or a bad value.
+        """
+        unknown = sorted(set(options) - set(field_names()))
+        if unknown:
+            raise GpuparError(f"unknown option(s) {', '.join(unknown)}; valid options are: {', '.join(field_names())}")
+        _check(_is_int(seed), f"seed={quote(seed)}: must be a whole number")
+        object.__setattr__(self, "seed", seed)
+        for attribute, part in PARTS:
+            object.__setattr__(self, attribute, part(**{k: v for k, v in options.items() if k in part.field_names()}))
+        _check_across_parts(self)
+
+    @classmethod
+    def from_options(cls, base: Optional["Config"] = None, **options) -> "Config":
+        """A Config from flat options over `base` (or the defaults); unknown options are errors."""
+        return cls(**options) if base is None else base.replace(**options)
+
+    def replace(self, **options) -> "Config":
+        """This Config with some flat options changed, checked again."""
+        return Config(**{**self.options(), **options})
+
+    def options(self) -> Dict[str, Any]:
+        """Every field as a flat option: {name: value}."""
+        flat = {"seed": self.seed}
+        for attribute, _ in PARTS:
+            part = getattr(self, attribute)
+            flat.update({f.name: getattr(part, f.name) for f in dataclasses.fields(part)})
+        return flat
+
+
+def field_names():
+    """Every flat option's name, in the order of the parts."""
+    return [name for _, part in PARTS for name in part.field_names()] + ["seed"]
+
+
+def field_help():
+    """Maps each flat option to its one-line help, from the parts' Attributes docstrings."""
+    helps = {name: text for _, part in PARTS for name, text in part.field_help().items()}
+    helps["seed"] = attribute_help(Config.__doc__)["seed"]
+    return helps
+
+
+def _check_across_parts(c: Config):
+    """The options of different parts that must agree."""
+    if c.loop.profile_steps is not None:
+        _check(c.outputs.log_dir is not None or c.outputs.save, "profile_steps needs log_dir, the TensorBoard folder "
+               "the profile goes to (save=False writes none by default)")
+    if c.loop.checkpoint_every_steps is not None:
+        _check(c.outputs.save, "checkpoint_every_steps saves checkpoints within an epoch, and save=False writes none; "
+               "drop one of them")
 
 
 def _parse_gpus(gpus):
@@ -310,139 +509,6 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-# Each field's own check: whole numbers with their least value, optional ones (None allowed),
-# numbers in a range, booleans, and names from a list.
-_WHOLE = {"epochs": 0, "batch_size": 1, "accumulate_steps": 1, "display_step": 1, "slurm_ps": 0, "lstm_layers": 1, "lstm_units": 1,
-          "microbatches": 1}
-_OPTIONAL_WHOLE = {"memory_limit_mb": 1, "virtual_cpus": 1, "max_to_keep": 1, "checkpoint_every_steps": 1,
-                   "steps_per_epoch": 1, "num_parallel_calls": 1, "ps_shards": 1, "data_threads": 1, "steps_per_call": 1,
-                   "intra_op_threads": 0, "inter_op_threads": 0}
-_RANGES = {"learning_rate": ("a number > 0", lambda v: v > 0), "dropout": ("a rate in [0, 1)", lambda v: 0 <= v < 1),
-           "stop_at_accuracy": ("an accuracy in (0, 1], e.g. 0.89", lambda v: 0 < v <= 1),
-           "memory_fraction": ("a fraction in (0, 1]", lambda v: 0 < v <= 1)}
-_BOOLEANS = ("memory_growth", "soft_placement", "log_placement", "save", "sync_batch_norm", "augment", "deterministic",
-             "jit_compile")
-_CHOICES = {"strategy": STRATEGY_CHOICES, "cross_device_ops": CROSS_DEVICE_OPS, "dataset": DATASETS,
-            "nan_policy": NAN_POLICIES, "precision": PRECISIONS, "augment_on": AUGMENT_PLACEMENTS, "model": MODELS}
-_THREADS_HINT = " (0 leaves it to TensorFlow), or empty to let gpupar choose"
-
-
-def _validate(c: Config):
-    """Each field on its own, then the fields that must agree, by topic; the mode's refusals last."""
-    _validate_values(c)
-    _validate_devices(c)
-    _validate_data(c)
-    _validate_outputs(c)
-    check_mode(c, run_mode(c), decided=False)
-
-
-def _validate_values(c: Config):
-    _check(_is_int(c.seed), f"seed={quote(c.seed)}: must be a whole number")
-    for name, least in {**_WHOLE, **_OPTIONAL_WHOLE}.items():
-        value = getattr(c, name)
-        if value is not None or name in _WHOLE:
-            hint = _THREADS_HINT if name.endswith("_threads") else ""
-            bound = "> 0" if least == 1 else f">= {least}"
-            _check(_is_int(value) and value >= least, f"{name}={quote(value)}: must be a whole number {bound}{hint}")
-    for name, (what, within) in _RANGES.items():
-        value = getattr(c, name)
-        if value is not None or name == "learning_rate":
-            _check(_is_number(value) and within(value), f"{name}={quote(value)}: must be {what}")
-    for name in _BOOLEANS:
-        _check(isinstance(getattr(c, name), bool), f"{name}={quote(getattr(c, name))}: must be True or False")
-    for name, choices in _CHOICES.items():
-        value = getattr(c, name)
-        _check(isinstance(value, str) and value in choices,
-               f"{name}={quote(value)} is unknown; choose one of: {', '.join(choices)}")
-
-
-def _validate_devices(c: Config):
-    _check(c.memory_fraction is None or c.memory_limit_mb is None,
-           "memory_fraction and memory_limit_mb both cap GPU memory; give only one of them")
-    _check(not (c.precision == "mixed_float16" and c.nan_policy == "skip"),
-           "precision=mixed_float16 already skips the steps whose gradients overflow (dynamic loss scaling); "
-           "use it with nan_policy=stop")
-
-
-def _validate_data(c: Config):
-    if c.data_dir is not None:
-        _check(os.path.isdir(c.data_dir), f"data_dir={quote(c.data_dir)} does not exist or is not a folder; point it "
-               "at the folder holding train-images-idx3-ubyte[.gz] and the other three IDX files")
-
-
-def _validate_outputs(c: Config):
-    """Checkpoints, summaries, metrics, the exported model and resuming."""
-    if c.export_path is not None:
-        _check(c.export_path.endswith(".keras"), f"export_path={quote(c.export_path)}: Keras saves models as .keras "
-               "files; give a path that ends in .keras")
-    for name in ("log_dir", "metrics_json", "export_path"):
-        path = getattr(c, name)
-        if path is not None:
-            _check(_can_create(path), f"{name}={quote(path)} cannot be written; choose a path in a folder you can write")
-    if c.profile_steps is not None:
-        _check(c.log_dir is not None or c.save, "profile_steps needs log_dir, the TensorBoard folder the profile goes "
-               "to (save=False writes none by default)")
-    if c.checkpoint_every_steps is not None:
-        _check(c.save, "checkpoint_every_steps saves checkpoints within an epoch, and save=False writes none; drop "
-               "one of them")
-    _validate_resume(c)
-
-
-def run_mode(config: Config, cluster=None) -> str:
-    """Which engine a run needs: SYNCHRONOUS, PIPELINE (strategy=model_parallel) or PARAMETER_SERVERS.
-
-    `cluster` (gpupar.runtime.cluster.Cluster): with strategy=auto, a cluster with ps tasks means
-    parameter servers.
-    """
-    if config.strategy == MODEL_PARALLEL:
-        return PIPELINE
-    if config.strategy == "parameter_server" or (cluster is not None and cluster.num_ps):
-        return PARAMETER_SERVERS
-    return SYNCHRONOUS
-
-
-def check_mode(c: Config, mode: str, decided: bool = True):
-    """Refuses the options that `mode` does not run, rather than ignoring them: every mode refusal is here.
-
-    Config checks its own strategy's mode when it is built (decided=False: strategy=auto may
-    still become parameter_server in a cluster with ps tasks); a run checks again once its
-    cluster has decided what strategy=auto means.
-    """
-    name = "parameter_server" if mode == PARAMETER_SERVERS else MODEL_PARALLEL
-    if mode != PARAMETER_SERVERS and (decided or c.strategy != "auto"):
-        _check(c.ps_shards is None, f"ps_shards={c.ps_shards} splits variables over the ps tasks of "
-               "strategy=parameter_server; drop it, or train with parameter servers")
-    if mode != PIPELINE:
-        _check(c.microbatches == 1, f"microbatches={c.microbatches} pipelines the stages of strategy=model_parallel; "
-               "pass strategy=model_parallel, or microbatches=1")
-        _check(c.stages is None, f"stages={','.join(map(str, c.stages or ()))} splits a model for "
-               "strategy=model_parallel; pass strategy=model_parallel, or no stages")
-    if mode == SYNCHRONOUS:
-        return
-    _check(c.accumulate_steps == 1, f"accumulate_steps={c.accumulate_steps} adds up gradients in a synchronous step; "
-           f"strategy={name} has steps of its own" + (" (it pipelines micro-batches with microbatches=N)"
-                                                      if mode == PIPELINE else "") + "; use accumulate_steps=1")
-    _check(not c.augment, f"augment is not available with strategy={name} (its input pipeline has no "
-           "augmentation); drop --augment, or use a data-parallel strategy")
-    _check(c.precision == "float32" and not c.jit_compile, f"precision and jit_compile are not available with "
-           f"strategy={name} (its step is its own); use precision=float32 and no jit_compile")
-    _check(c.nan_policy == "stop", f"nan_policy=skip drops a step on every replica at once; strategy={name} has no "
-           "such step (use nan_policy=stop)")
-    if mode == PIPELINE:
-        _check(c.batch_size % c.microbatches == 0, f"batch_size={c.batch_size} does not split into microbatches="
-               f"{c.microbatches} equal micro-batches; choose a batch_size that is a multiple of microbatches")
-        _check(not c.sync_batch_norm, "sync_batch_norm synchronises tf.distribute replicas; strategy=model_parallel "
-               "normalises each micro-batch on its own (as GPipe does); drop sync_batch_norm")
-        return
-    _check(c.model == "convnet", f"model={c.model} is not available with strategy=parameter_server, which "
-           "trains the ConvNet; use model=convnet")
-    _check(not c.sync_batch_norm, "sync_batch_norm needs replicas that step together; parameter_server updates "
-           "asynchronously")
-    for option in ("profile_steps", "checkpoint_every_steps"):
-        _check(getattr(c, option) is None, f"{option} is not available with strategy=parameter_server (it saves "
-               "after each epoch and on a signal); drop it")
-
-
 def _can_create(path: str) -> bool:
     """True when path exists and is writable, or its nearest existing ancestor is a writable folder."""
     path = os.path.abspath(path)
@@ -454,18 +520,13 @@ def _can_create(path: str) -> bool:
     return os.path.isdir(parent) and os.access(parent, os.W_OK)
 
 
-def _validate_resume(c: Config):
-    _check(
-        isinstance(c.resume, (bool, str)),
-        f"resume={quote(c.resume)}: must be True, False or the path of a checkpoint",
-    )
+def _check_resume(c: OutputOptions):
+    _check(isinstance(c.resume, (bool, str)), f"resume={quote(c.resume)}: must be True, False or the path of a "
+           "checkpoint")
     path = c.resume_path
     if path is not None:
-        _check(
-            os.path.exists(path + ".index"),
-            f"resume={path!r}: no checkpoint there (expected {path}.index); give a path like "
-            "model_dir/ckpt-3, or resume=True for the latest",
-        )
+        _check(os.path.exists(path + ".index"), f"resume={path!r}: no checkpoint there (expected {path}.index); give a "
+               "path like model_dir/ckpt-3, or resume=True for the latest")
     if c.model_dir is not None and c.resume is False and c.save:
         _check(
             not any(os.path.exists(os.path.join(c.model_dir, *sub, "checkpoint")) for sub in ((), ("within_epoch",))),

@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from conftest import synthetic_digits
 from gpupar.data import augment
-from gpupar.data import mnist, pipeline
+from gpupar.data import array_pipeline as pipeline, mnist_images as mnist
 from gpupar.runtime.strategy import build_strategy, detected_plan
 
 

@@ -28,19 +28,28 @@ def test_verdict_needs_enough_steps_and_a_large_wait():
     assert not fast.input_bound and fast.describe() == "input wait 25% of step time: not input-bound"
 
 
+def _hints(**preset):
+    """What the MNIST preset's training data say may starve the step."""
+    from gpupar.presets.mnist import MnistArrays
+    from gpupar.presets.mnist_options import MnistOptions
+
+    return MnistArrays(None, "train", "", MnistOptions(**preset)).input_bound_hints()
+
+
 def test_causes_name_the_setting_and_its_fix():
-    host = bottleneck.likely_causes(Config(augment=True, augment_on="host", num_parallel_calls=1, data_threads=1),
-                                    cpus=2)
+    host = bottleneck.likely_causes(Config(num_parallel_calls=1, data_threads=1).input,
+                                    _hints(augment=True, augment_on="host"), cpus=2)
     assert "use --augment_on=device" in host[0]
     assert "--num_parallel_calls=1 maps on fewer threads than the 2 CPU cores" in host[1]
     assert "--data_threads=1 gives tf.data fewer threads than the 2 CPU cores" in host[2]
-    assert len(bottleneck.likely_causes(Config(num_parallel_calls=2, data_threads=2), cpus=2)) == 1
-    assert bottleneck.likely_causes(Config(augment=True))[0].startswith("run `gpupar diagnose` with the same flags")
-    starved = bottleneck.likely_causes(Config(), input_rate=50_000, step_rate=10_000)
+    assert len(bottleneck.likely_causes(Config(num_parallel_calls=2, data_threads=2).input, cpus=2)) == 1
+    assert bottleneck.likely_causes(Config().input, _hints(augment=True))[0].startswith(
+        "run `gpupar diagnose` with the same flags")
+    starved = bottleneck.likely_causes(Config().input, input_rate=50_000, step_rate=10_000)
     assert starved[0].startswith("the pipeline alone delivers 5x what the step takes") and "--data_threads" in starved[0]
-    slow = bottleneck.likely_causes(Config(), input_rate=5_000, step_rate=10_000)
+    slow = bottleneck.likely_causes(Config().input, input_rate=5_000, step_rate=10_000)
     assert slow[0].startswith("the input pipeline alone is slower than the step (5,000 against 10,000 examples/s)")
-    close = bottleneck.likely_causes(Config(), input_rate=15_000, step_rate=10_000)
+    close = bottleneck.likely_causes(Config().input, input_rate=15_000, step_rate=10_000)
     assert close[0].startswith("the input pipeline alone is only 1.5x as fast as the step")
 
 
@@ -75,14 +84,14 @@ def test_training_without_augmentation_is_not_input_bound(idx_dir, capsys):
 def test_device_augmentation_trains_and_is_not_input_bound(idx_dir, capsys):
     result = _fit(idx_dir, augment=True, epochs=3)
     out = capsys.readouterr().out
-    assert "augmentation: random shifts, rotations and zooms, on the device" in out
+    assert "randomly shifted, rotated and zoomed on the device" in out
     assert "training is input-bound" not in out
     losses = [record.train_loss for record in result.history]
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
 
 
 def _timed_call(iterator, batch_step, steps):
-    from gpupar.training.steps import steps_in_one_call
+    from gpupar.training.inner_loop import steps_in_one_call
 
     run = steps_in_one_call(batch_step, (0.0, 0.0), timed=True)
     run(iterator, tf.constant(2), tf.constant(True))  # traces
@@ -120,7 +129,7 @@ def test_slow_input_shows_as_waiting():
 def test_the_steps_of_a_call_do_not_overlap():
     # Otherwise TensorFlow's while loop starts a step's get_next while the step before still runs,
     # and counts that running as waiting (two replicas on an in-memory pipeline read 50% "wait").
-    from gpupar.training.steps import steps_in_one_call
+    from gpupar.training.inner_loop import steps_in_one_call
 
     run = steps_in_one_call(lambda batch: (tf.reduce_sum(batch), tf.constant(0.0)), (0.0, 0.0), timed=True)
     iterator = iter(tf.data.Dataset.from_tensors(tf.ones([4])).repeat())

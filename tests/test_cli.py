@@ -1,16 +1,24 @@
 """The gpupar command: flags map onto Config; errors are one line and an exit status."""
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
 from gpupar import cli
 from gpupar.config import Config
+from gpupar.presets.mnist_options import MnistOptions
 
 FLAGS = cli.FLAGS
+
+
+def _flat(config, preset):
+    """Every option of a Config and the MNIST preset's options, by its flat name."""
+    return types.SimpleNamespace(**config.options(), **dataclasses.asdict(preset))
 
 
 @pytest.fixture
@@ -18,7 +26,7 @@ def parse():
     def _parse(*args):
         FLAGS.unparse_flags()
         FLAGS(["gpupar", *args])
-        return cli.config_from_flags()
+        return _flat(*cli.config_from_flags())
 
     yield _parse
     FLAGS.unparse_flags()
@@ -32,7 +40,7 @@ def _gpupar(*args, timeout=300):
 
 
 def test_no_flags_give_the_default_config(parse):
-    assert parse() == Config()
+    assert parse() == _flat(Config(), MnistOptions())
 
 
 def test_flags_map_onto_the_config(parse, shared_idx_dir):

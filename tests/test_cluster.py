@@ -251,12 +251,13 @@ def test_large_variables_split_over_the_ps_tasks_unless_told_otherwise():
 
 
 def test_ps_shards_is_refused_where_there_are_no_parameter_servers():
-    assert gpupar.Config(ps_shards=2).ps_shards == 2  # strategy=auto may still find ps tasks in a cluster
+    from gpupar.training import modes
+
+    ps_cluster = parse_tf_config(_config(PS_CLUSTER, "chief", 0))
+    assert modes.checked(gpupar.Config(ps_shards=2), ps_cluster).name == "parameter_server"  # auto, ps tasks found
     with pytest.raises(GpuparError, match=r"ps_shards=2 splits variables over the ps tasks of strategy=parameter_server"):
-        gpupar.Config(ps_shards=2, strategy="mirrored")
+        modes.checked(gpupar.Config(ps_shards=2, strategy="mirrored"))
     with pytest.raises(GpuparError, match=r"ps_shards=0: must be a whole number > 0"):
         gpupar.Config(ps_shards=0)
-    from gpupar.config import SYNCHRONOUS, check_mode
-
     with pytest.raises(GpuparError, match="ps_shards=2 splits variables"):
-        check_mode(gpupar.Config(ps_shards=2), SYNCHRONOUS)  # auto, once a run found no ps tasks
+        modes.checked(gpupar.Config(ps_shards=2))  # auto, once a run found no ps tasks

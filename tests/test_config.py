@@ -1,29 +1,39 @@
-"""Config: one validated object for the API, the flags and the tests."""
+"""Config: one validated object, in parts, for the API, the flags and the tests; the MNIST presets' options beside it."""
 
 import dataclasses
 
 import pytest
 
-from gpupar.config import Config, field_help, field_names
+from gpupar.config import PARTS, Config, field_help, field_names
 from gpupar.errors import GpuparError
+from gpupar.presets.mnist import refuse_for_mode
+from gpupar.presets.mnist_options import MnistOptions, mnist_options
+from gpupar.training import modes
 
 
 def test_defaults_match_the_documented_api():
-    c = Config()
-    assert (c.epochs, c.batch_size, c.learning_rate, c.strategy, c.dataset, c.display_step) == (
-        5, 1024, 1e-3, "auto", "mnist", 10,
-    )
+    c, preset = Config(), MnistOptions()
+    assert (c.loop.epochs, c.input.batch_size, c.step.learning_rate, c.distribution.strategy, preset.dataset,
+            c.loop.display_step) == (5, 1024, 1e-3, "auto", "mnist", 10)
 
 
 def test_every_field_has_help():
     helps = field_help()
     assert set(helps) == set(field_names())
     assert all(helps.values())
+    assert set(MnistOptions.field_help()) == set(MnistOptions.field_names()) and all(MnistOptions.field_help().values())
 
 
-def test_config_is_frozen():
+def test_every_option_belongs_to_one_part():
+    names = [name for _, part in PARTS for name in part.field_names()] + MnistOptions.field_names()
+    assert len(names) == len(set(names))  # flat option names say which part they set
+
+
+def test_config_and_its_parts_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        Config().epochs = 3
+        Config().loop = None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().loop.epochs = 3
 
 
 @pytest.mark.parametrize(
@@ -86,23 +96,28 @@ def test_config_is_frozen():
     ],
 )
 def test_bad_values_are_one_clear_error(options, message):
+    """Each part checks its values, the Config its parts together, the mode what it cannot run: all before TensorFlow."""
     with pytest.raises(GpuparError, match=None) as e:
-        Config.from_options(**options)
+        config, preset = mnist_options(options=options)
+        refuse_for_mode(preset, modes.checked(config))
     assert message in str(e.value)
 
 
 def test_steps_per_call_defaults_to_display_step_capped_at_the_epoch():
-    assert Config(display_step=10).steps_in_a_call(58) == 10
-    assert Config(display_step=100).steps_in_a_call(8) == 8
-    assert Config(display_step=100, steps_per_call=3).steps_in_a_call(8) == 3
+    assert Config(display_step=10).loop.steps_in_a_call(58) == 10
+    assert Config(display_step=100).loop.steps_in_a_call(8) == 8
+    assert Config(display_step=100, steps_per_call=3).loop.steps_in_a_call(8) == 3
 
 
 def test_stop_targets_are_reached_at_or_above_a_metric_and_at_or_below_a_loss():
-    assert Config(stop_at_accuracy=0.89).reached({"val_accuracy": 0.89}) == "val_accuracy 0.8900 reached 0.89"
-    assert not Config(stop_at_accuracy=0.89).reached({"val_accuracy": 0.8899})
-    assert Config(stop_at="val_loss=0.5,accuracy=0.99").reached({"val_loss": 0.5, "accuracy": 0.5})
-    assert not Config(stop_at={"val_loss": 0.5}).reached({"val_loss": 0.51})
-    assert not Config().reached({"val_accuracy": 1.0})
+    from gpupar.presets.mnist import mnist_run
+
+    config, _ = mnist_run(Config(), MnistOptions(stop_at_accuracy=0.89))
+    assert config.loop.reached({"val_accuracy": 0.89}) == "val_accuracy 0.8900 reached 0.89"
+    assert not config.loop.reached({"val_accuracy": 0.8899})
+    assert Config(stop_at="val_loss=0.5,accuracy=0.99").loop.reached({"val_loss": 0.5, "accuracy": 0.5})
+    assert not Config(stop_at={"val_loss": 0.5}).loop.reached({"val_loss": 0.51})
+    assert not Config().loop.reached({"val_accuracy": 1.0})
     with pytest.raises(GpuparError, match="stop_at='val_loss': give log names and targets"):
         Config(stop_at="val_loss")
 
@@ -111,22 +126,26 @@ def test_unknown_option_is_an_error_listing_valid_ones():
     with pytest.raises(GpuparError) as e:
         Config.from_options(epoch=3)
     assert "unknown option(s) epoch" in str(e.value) and "epochs" in str(e.value)
+    with pytest.raises(GpuparError) as e:
+        mnist_options(options={"modle": "lstm"})
+    assert "unknown option(s) modle" in str(e.value) and "epochs" in str(e.value) and "lstm_units" in str(e.value)
 
 
 def test_options_override_a_base_config():
     base = Config(epochs=2, batch_size=8)
     c = Config.from_options(base, batch_size=16)
-    assert (c.epochs, c.batch_size) == (2, 16)
+    assert (c.loop.epochs, c.input.batch_size) == (2, 16)
+    assert c.replace(seed=3).options() == {**c.options(), "seed": 3}
 
 
 def test_lists_parse_from_strings_and_sequences():
-    assert Config(gpus="0, 2").gpus == (0, 2)
-    assert Config(gpus=[1]).gpus == (1,)
-    assert Config(devices="/gpu:0,/GPU:1").devices == ("/gpu:0", "/GPU:1")
-    assert Config(gpus="").gpus is None
-    assert Config(gpus=0).gpus == (0,)
-    assert Config(strategy="model_parallel", stages="conv_out, 3").stages == ("conv_out", 3)
-    assert Config(strategy="model_parallel", stages=[1, "dense"]).stages == (1, "dense")
+    assert Config(gpus="0, 2").device_setup.gpus == (0, 2)
+    assert Config(gpus=[1]).device_setup.gpus == (1,)
+    assert Config(devices="/gpu:0,/GPU:1").distribution.devices == ("/gpu:0", "/GPU:1")
+    assert Config(gpus="").device_setup.gpus is None
+    assert Config(gpus=0).device_setup.gpus == (0,)
+    assert Config(strategy="model_parallel", stages="conv_out, 3").distribution.stages == ("conv_out", 3)
+    assert Config(strategy="model_parallel", stages=[1, "dense"]).distribution.stages == (1, "dense")
 
 
 @pytest.mark.parametrize("where", [(), ("within_epoch",)])
@@ -136,4 +155,4 @@ def test_existing_checkpoints_need_resume(tmp_path, where):
     (folder / "checkpoint").write_text('model_checkpoint_path: "ckpt-1"\n')
     with pytest.raises(GpuparError, match="already holds checkpoints"):
         Config(model_dir=str(tmp_path))
-    assert Config(model_dir=str(tmp_path), resume=True).resume is True
+    assert Config(model_dir=str(tmp_path), resume=True).outputs.resume is True

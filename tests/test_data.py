@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from gpupar.data import mnist, pipeline
+from gpupar.data import array_pipeline as pipeline, mnist_images as mnist
 from gpupar.errors import GpuparError
 
 IMAGES = np.arange(40 * 28 * 28, dtype=np.int64).reshape(40, 28, 28) % 251

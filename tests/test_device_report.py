@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from gpupar.monitor.device_report import NO_GPU_HINT, build_report, format_report
+from gpupar.commands.device_report import NO_GPU_HINT, build_report, format_report
 from gpupar.runtime.strategy import plan_strategy
 
 VERSIONS = {"tensorflow": "2.x", "keras": "3.x", "built_with_cuda": True}

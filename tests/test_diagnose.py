@@ -18,12 +18,12 @@ def idx_dir(tmp_path_factory):
     return make_idx_dir(tmp_path_factory.mktemp("data"), num_train=2048, num_test=64)
 
 
-def _config(idx_dir, **options):
-    return Config(data_dir=idx_dir, batch_size=256, strategy="one_device", dropout=0.0, **options)
+def _options(idx_dir, **options):
+    return dict(data_dir=idx_dir, batch_size=256, strategy="one_device", dropout=0.0, **options)
 
 
 def test_slow_host_augmentation_is_input_bound(idx_dir, slow_host_warp):
-    report = diagnose(_config(idx_dir, augment=True, augment_on="host"), steps=4)
+    report = diagnose(steps=4, **_options(idx_dir, augment=True, augment_on="host"))
     assert report.input_bound and report.bound_by == "input pipeline"
     assert report.input_examples_per_second < report.step_examples_per_second
     assert report.together_examples_per_second < report.step_examples_per_second
@@ -35,7 +35,7 @@ def test_device_augmentation_leaves_the_pipeline_faster_than_the_step(idx_dir):
     # Whether training keeps up with the step alone depends on what else shares the two cores (CI
     # runs two test workers), so only what holds under any load is asserted: the pipeline alone
     # outruns the step, and the verdict never blames it alone nor asks to move the augmentation.
-    report = diagnose(_config(idx_dir, augment=True), steps=4)
+    report = diagnose(steps=4, **_options(idx_dir, augment=True))
     assert report.input_examples_per_second > 2 * report.step_examples_per_second
     assert report.bound_by in ("train step", "input pipeline sharing the CPU with the step")
     assert report.recommendations and "--augment_on" not in report.recommendations[0]
@@ -43,7 +43,7 @@ def test_device_augmentation_leaves_the_pipeline_faster_than_the_step(idx_dir):
 
 def test_too_few_steps_to_judge_is_an_error_before_any_work(idx_dir):
     with pytest.raises(GpuparError, match="diagnose_steps=3: judging needs at least 4 timed steps"):
-        diagnose(_config(idx_dir), steps=3)
+        diagnose(steps=3, **_options(idx_dir))
 
 
 def test_cli_prints_json(idx_dir):
@@ -71,14 +71,13 @@ def test_cli_bad_flag_fails_before_any_work(idx_dir):
     ((20_000, 5_000, 2_000), (True, "input pipeline sharing the CPU with the step")),
 ])
 def test_the_verdict_follows_from_the_three_rates(rates, expected):
-    from gpupar.monitor.diagnose import verdict
+    from gpupar.commands.diagnose import verdict
 
     assert verdict(*rates) == expected
 
 
 def test_virtual_cpus_say_what_the_input_wait_cannot_tell(idx_dir):
-    report = diagnose(Config(data_dir=idx_dir, batch_size=128, strategy="mirrored", virtual_cpus=2, dropout=0.0),
-                      steps=4)
+    report = diagnose(steps=4, data_dir=idx_dir, batch_size=128, strategy="mirrored", virtual_cpus=2, dropout=0.0)
     assert "counts a replica waiting for a CPU thread as waiting for input" in report.format()
     assert report.input_bound == (report.together_examples_per_second < 0.8 * report.step_examples_per_second)
 
@@ -87,4 +86,5 @@ def test_the_input_bound_warning_names_gpu_signs_only_on_gpus():
     from gpupar.monitor.bottleneck import InputWait, warning
 
     wait = InputWait(waited=3.0, busy=1.0, steps=10)
-    assert "GPU-Util" not in warning(wait, Config()) and "GPU-Util near 0%" in warning(wait, Config(), gpus=True)
+    options = Config().input
+    assert "GPU-Util" not in warning(wait, options) and "GPU-Util near 0%" in warning(wait, options, gpus=True)

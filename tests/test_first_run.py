@@ -69,15 +69,15 @@ def test_no_network_is_said_at_once_with_the_way_out(tmp_path):
 def test_outputs_default_to_a_new_numbered_run_folder():
     from gpupar.config import Config
 
-    fresh = plan_outputs(Config(), ["001", "003", "notes", "fashion_mnist"])
+    fresh = plan_outputs(Config().outputs, ["001", "003", "notes", "fashion_mnist"])
     assert (fresh.model_dir, fresh.log_dir, fresh.metrics_json, fresh.warning) == (
         "runs/004", "runs/004/tensorboard", "runs/004/metrics.json", None)
-    assert plan_outputs(Config(resume=True), ["001", "003"]).model_dir == "runs/003"  # the latest
-    first = plan_outputs(Config(resume=True), [])
+    assert plan_outputs(Config(resume=True).outputs, ["001", "003"]).model_dir == "runs/003"  # the latest
+    first = plan_outputs(Config(resume=True).outputs, [])
     assert first.model_dir == "runs/001" and "no earlier run under runs/" in first.warning
-    given = plan_outputs(Config(model_dir="here", log_dir="tb"), [])
+    given = plan_outputs(Config(model_dir="here", log_dir="tb").outputs, [])
     assert (given.model_dir, given.log_dir, given.metrics_json) == ("here", "tb", "here/metrics.json")
-    nothing = plan_outputs(Config(save=False), ["001"])
+    nothing = plan_outputs(Config(save=False).outputs, ["001"])
     assert (nothing.model_dir, nothing.log_dir, nothing.metrics_json) == (None, None, None)
 
 
@@ -164,7 +164,7 @@ def test_an_array_in_an_option_is_quoted_by_type_and_shape():
 
 
 def test_the_plot_has_whole_epochs_labels_and_a_title():
-    from gpupar.monitor.plot import draw_history
+    from gpupar.commands.plot import draw_history
 
     history = [{"epoch": e, "logs": {"loss": 1.0 / (e + 1), "accuracy": 0.5, "val_loss": 1.2, "val_accuracy": 0.6},
                 "examples_per_second": 1000.0} for e in range(3)]

@@ -36,7 +36,7 @@ class _CountingSteps(keras.layers.Layer):
 
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_diagnose_times_the_users_model_on_the_users_data(replicas):
-    from gpupar.monitor.diagnose import ROUNDS, VIRTUAL_CPU_NOTE, WARM_UP_STEPS, verdict
+    from gpupar.commands.diagnose import ROUNDS, VIRTUAL_CPU_NOTE, WARM_UP_STEPS, verdict
 
     built = []
 

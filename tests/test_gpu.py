@@ -44,7 +44,7 @@ def test_memory_growth_holds_with_virtual_cpus():
 
 
 def test_a_parameter_server_task_passes_the_device_settings_to_its_server_and_ps_stay_off_gpus():
-    from gpupar.training.parameter_server import _server_config, server_settings
+    from gpupar.training.modes.parameter_server import _server_config, server_settings
 
     devices = plan_devices(2, memory_growth=True)
     assert server_settings("ps", devices)["device_count"] == {"GPU": 0}
@@ -181,7 +181,7 @@ def test_the_loss_scale_is_checkpointed(tmp_path):
 
 def test_the_sums_stay_on_the_replicas_until_the_call_ends():
     """No step waits for another's numbers on the host: the cross-replica sums come after the steps' loop."""
-    from gpupar.training.steps import steps_in_one_call
+    from gpupar.training.inner_loop import steps_in_one_call
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     iterator = iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(tf.ones([4])).repeat()))
@@ -199,7 +199,8 @@ def test_on_gpus_the_timed_steps_of_a_call_may_overlap_and_train_the_same():
     import keras
 
     from gpupar.training.objective import Objective
-    from gpupar.training.steps import make_train_function, timed_loop_iterations
+    from gpupar.training.step import make_train_function
+    from gpupar.training.inner_loop import timed_loop_iterations
 
     assert timed_loop_iterations(on_gpus=False) == 1 and timed_loop_iterations(on_gpus=True) == 10
     rng = np.random.default_rng(0)
@@ -227,7 +228,7 @@ def test_on_gpus_the_timed_steps_of_a_call_may_overlap_and_train_the_same():
 
 
 def test_the_check_plan_runs_what_the_machine_can():
-    from gpupar.monitor.device_check import plan_checks
+    from gpupar.commands.device_check import plan_checks
 
     here = plan_checks(0, nvml_installed=False, memory_setting=False)
     assert {name for name, why in here.items() if why is None} == {"all-reduce", "XLA batch norm", "mixed_float16 steps"}
@@ -261,13 +262,13 @@ def test_devices_check_on_this_machine_runs_the_cpu_checks():
 
 def _tf_sees(bus_ids, monkeypatch):
     """TensorFlow's GPUs, as tf_bus_ids would list them."""
-    from gpupar.monitor import device_check
+    from gpupar.commands import device_check
 
     monkeypatch.setattr(device_check, "tf_bus_ids", lambda: list(bus_ids))
 
 
 def test_the_gpu_check_matches_tensorflows_gpus_to_nvmls_out_of_order_and_says_mig(monkeypatch):
-    from gpupar.monitor.device_check import FAIL, PASS, _match, judge_match
+    from gpupar.commands.device_check import FAIL, PASS, _match, judge_match
 
     cards = nvml.read_gpus(_FakePynvml())  # NVML 0 at bus 17, NVML 1 (MIG) at bus 18
     swapped = judge_match(["0000:18:00.0", "0000:17:00.0"], cards)
@@ -287,7 +288,7 @@ def test_the_gpu_check_matches_tensorflows_gpus_to_nvmls_out_of_order_and_says_m
 
 
 def test_the_memory_check_fails_where_a_gpu_lost_more_than_growth_or_its_limit_allows(monkeypatch):
-    from gpupar.monitor.device_check import FAIL, NOT_RUN, PASS, SLACK_MB, _memory, judge_memory, memory_taken_mb
+    from gpupar.commands.device_check import FAIL, NOT_RUN, PASS, SLACK_MB, _memory, judge_memory, memory_taken_mb
 
     fake = _FakePynvml()
     before = nvml.read_gpus(fake)
@@ -315,7 +316,7 @@ def test_the_memory_check_fails_where_a_gpu_lost_more_than_growth_or_its_limit_a
 
 
 def test_the_all_reduce_check_fails_on_a_wrong_sum():
-    from gpupar.monitor.device_check import FAIL, PASS, _all_reduce, judge_all_reduce
+    from gpupar.commands.device_check import FAIL, PASS, _all_reduce, judge_all_reduce
 
     plan = Plan("mirrored", tuple(GPUS[:3]), "nccl", None, "")
     assert judge_all_reduce(plan, 6.0).status == PASS  # 1 + 2 + 3
@@ -328,7 +329,7 @@ def test_the_all_reduce_check_fails_on_a_wrong_sum():
 
 def test_the_xla_check_fails_with_the_fix_for_its_device(monkeypatch):
     from gpupar.models import layers
-    from gpupar.monitor.device_check import FAIL, PASS, Check, _xla, judge_xla
+    from gpupar.commands.device_check import FAIL, PASS, Check, _xla, judge_xla
 
     assert judge_xla("/gpu:0", None) == Check("XLA batch norm", PASS, "compiled on /gpu:0")
     on_gpu = judge_xla("/gpu:0", "InternalError: libdevice not found at ./libdevice.10.bc")
@@ -365,7 +366,7 @@ def test_the_xla_fallback_reaches_nested_layers_and_leaves_other_models_alone():
 
 
 def test_the_mixed_float16_check_needs_a_falling_loss_and_a_scale_that_holds():
-    from gpupar.monitor.device_check import FAIL, PASS, judge_mixed_steps
+    from gpupar.commands.device_check import FAIL, PASS, judge_mixed_steps
 
     assert judge_mixed_steps("/gpu:0", [2.3, 1.1, 0.4], 32768.0).status == PASS
     for losses, scale in (([2.3, 2.4], 32768.0), ([2.3, float("nan"), 0.4], 32768.0), ([2.3, 0.4], 0.5)):
@@ -377,7 +378,7 @@ def test_the_mixed_float16_check_needs_a_falling_loss_and_a_scale_that_holds():
 def test_the_checks_print_pass_fail_and_not_run_with_the_fix_and_as_json():
     import json
 
-    from gpupar.monitor.device_check import FAIL, NOT_RUN, PASS, Check, _guarded, format_checks, to_json
+    from gpupar.commands.device_check import FAIL, NOT_RUN, PASS, Check, _guarded, format_checks, to_json
 
     results = [Check("all-reduce", PASS, "sum 3"), Check("XLA batch norm", FAIL, "InternalError: x", "install it"),
                Check("GPUs matched to NVML", NOT_RUN, "", "no GPU on this machine")]
@@ -400,7 +401,7 @@ def test_the_checks_print_pass_fail_and_not_run_with_the_fix_and_as_json():
 
 def test_the_checks_read_nvml_before_tensorflow_and_fail_where_it_sees_none_of_nvmls_gpus(monkeypatch):
     from gpupar import Config
-    from gpupar.monitor import device_check
+    from gpupar.commands import device_check
     from gpupar.runtime import devices
 
     order = []

@@ -80,13 +80,60 @@ def test_the_walk_finds_a_circle_when_there_is_one():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
 
 
-def test_training_imports_point_one_way():
+# The layers, lowest first: a module may import from its own layer and those below it, never from above.
+LAYERS = ["gpupar.errors", "gpupar.config", "gpupar.runtime", "gpupar.data", "gpupar.models", "gpupar.monitor",
+          "gpupar.training", "gpupar.presets", "gpupar.commands", "gpupar", "gpupar.cli", "gpupar.__main__"]
+# Inside training, the steps' chain: step <- engine <- modes <- setup <- loop <- run.
+TRAINING = ["gpupar.training.objective", "gpupar.training.inner_loop", "gpupar.training.step", "gpupar.training.engine",
+            "gpupar.training.modes", "gpupar.training.setup", "gpupar.training.observers", "gpupar.training.loop",
+            "gpupar.training.run"]
+
+
+def _rank(module, order):
+    """The index in `order` of the longest entry that is module or a package holding it, or None."""
+    found = [i for i, name in enumerate(order) if module == name or module.startswith(name + ".")]
+    return max(found, key=lambda i: len(order[i])) if found else None
+
+
+def climbing_imports(graph):
+    """["a imports b", ...] for every import from a layer above the importer's (LAYERS, then TRAINING inside training)."""
+    climbs = []
+    for module, imported in sorted(graph.items()):
+        for other in sorted(imported):
+            for order in (LAYERS, TRAINING):
+                mine, theirs = _rank(module, order), _rank(other, order)
+                if mine is not None and theirs is not None and theirs > mine:
+                    climbs.append(f"{module} imports {other}")
+    return climbs
+
+
+def test_every_module_has_a_layer():
     graph, _ = _graph()
-    order = ["gpupar.training.steps", "gpupar.training.engine", "gpupar.training.loop", "gpupar.training.run",
-             "gpupar.cli"]
-    assert order[0] in graph[order[1]] and order[2] in graph[order[3]] and order[3] in graph[order[4]]
-    for i, lower in enumerate(order):
-        assert not set(order[i + 1:]) & graph[lower], f"{lower} imports a module above it"
+    assert [m for m in graph if _rank(m, LAYERS) is None] == []
+    assert {m for m in graph if m.startswith("gpupar.training.") and _rank(m, TRAINING) is None} == {
+        "gpupar.training.checkpoint", "gpupar.training.interrupt", "gpupar.training.multi_worker",
+        "gpupar.training.outputs", "gpupar.training.result", "gpupar.training.task"}  # helpers of the loop and the run
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    graph, _ = _graph()
+    assert "gpupar.training.run" in graph["gpupar.cli"] or "gpupar.training.run" in graph["gpupar"]
+    assert climbing_imports(graph) == []
+
+
+def test_the_layer_check_finds_an_import_that_climbs():
+    """Control: the graph of the package with one import added from the runtime up to the loop, and one inside training."""
+    graph, _ = _graph()
+    graph["gpupar.runtime.strategy"] = graph["gpupar.runtime.strategy"] | {"gpupar.training.loop"}
+    graph["gpupar.training.step"] = graph["gpupar.training.step"] | {"gpupar.training.setup"}
+    assert climbing_imports(graph) == ["gpupar.runtime.strategy imports gpupar.training.loop",
+                                       "gpupar.training.step imports gpupar.training.setup"]
+
+
+def test_no_two_modules_of_the_package_share_a_name():
+    _, modules = _graph()
+    names = [m.rsplit(".", 1)[-1] for m in modules if not modules[m].endswith("__init__.py")]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
 
 
 def test_nothing_in_the_package_imports_the_benchmarks():

@@ -19,8 +19,8 @@ from gpupar.models.lstm import build_lstm
 from gpupar.models.staged import build_on_stages, chain_layers
 from gpupar.runtime.stages import plan_stages, stage_of_layers
 from gpupar.training.objective import Objective
-from gpupar.training.pipeline import Pipeline, make_train_function
-from gpupar.training.presets import LOSS
+from gpupar.presets.mnist import LOSS
+from gpupar.training.modes.model_parallel import Stages, make_train_function
 
 CPUS = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
 GPUS = [f"/gpu:{i}" for i in range(8)]
@@ -65,8 +65,13 @@ def test_fewer_devices_than_stages_is_an_error():
     ],
 )
 def test_bad_model_parallel_options_are_refused(options, message):
+    from gpupar.presets.mnist import refuse_for_mode
+    from gpupar.presets.mnist_options import mnist_options
+    from gpupar.training import modes
+
     with pytest.raises(GpuparError, match=re.escape(message)):
-        gpupar.Config(**options)
+        config, preset = mnist_options(options=options)
+        refuse_for_mode(preset, modes.checked(config))
 
 
 def test_model_parallel_is_not_a_tf_distribute_strategy():
@@ -175,11 +180,11 @@ USERS_ENDS = ("pool", "hidden")
 
 
 def _pipeline(build, ends, plan, microbatches):
-    """(the Pipeline of build()'s model split at ends over plan, its model)."""
+    """(the Stages of build()'s model split at ends over plan, its model)."""
     model, stage_of = build_on_stages(build, ends, plan.variable_devices)
     images, labels = next(iter(_batches(2)))
     objective = Objective(LOSS, ["accuracy"], labels.numpy(), model(images).numpy())
-    return Pipeline(model, stage_of, plan, objective, microbatches), model
+    return Stages(model, stage_of, plan, objective, microbatches), model
 
 
 @pytest.mark.parametrize(
@@ -250,7 +255,7 @@ def _pipelined_gradients(pipeline, images, labels):
 
 
 def _pair(build, ends, plan, microbatches):
-    """The Pipeline of build()'s model split over plan's devices, and the same model unsplit, with the same weights."""
+    """The Stages of build()'s model split over plan's devices, and the same model unsplit, with the same weights."""
     pipeline, split = _pipeline(build, ends, plan, microbatches)
     whole = build()
     whole.set_weights(split.get_weights())

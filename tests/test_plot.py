@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from gpupar.errors import GpuparError
-from gpupar.monitor.plot import HEIGHT, WIDTH, load_history, plot_history
+from gpupar.commands.plot import HEIGHT, WIDTH, load_history, plot_history
 
 
 def _png_size(path):

@@ -165,7 +165,7 @@ def _poison_every_third_batch(monkeypatch):
     """Makes the images of every batch whose label sum is a multiple of 3 NaN (a poisoned batch)."""
     import tensorflow as tf
 
-    from gpupar.data import mnist, pipeline
+    from gpupar.data import array_pipeline as pipeline, mnist_images as mnist
 
     normalise = mnist.normalise
 
@@ -179,7 +179,7 @@ def _poison_every_third_batch(monkeypatch):
 
 def _poisoned_per_epoch(idx_dir, epochs, global_batch):
     """How many of each epoch's batches the poison hits, read from the pipeline itself."""
-    from gpupar.data import mnist, pipeline
+    from gpupar.data import array_pipeline as pipeline, mnist_images as mnist
     from gpupar.data import idx
 
     splits = idx.load_idx_dir(idx_dir)
@@ -204,7 +204,7 @@ def test_nan_policy_skip_drops_poisoned_steps_and_keeps_training(shared_idx_dir,
 @pytest.mark.parametrize("steps_per_call", [1, None])
 def test_nan_policy_stop_names_epoch_and_step(shared_idx_dir, monkeypatch, tmp_path, steps_per_call):
     _poison_every_third_batch(monkeypatch)
-    from gpupar.data import mnist, pipeline
+    from gpupar.data import array_pipeline as pipeline, mnist_images as mnist
     from gpupar.data import idx
 
     splits = idx.load_idx_dir(shared_idx_dir)
@@ -249,7 +249,7 @@ def test_many_skipped_steps_do_not_wear_out_the_loss_scale(shared_idx_dir, monke
     """Each skip halves Keras' loss scale; unreset, it reaches 0 after ~150 skips and every step fails."""
     import tensorflow as tf
 
-    from gpupar.data import mnist, pipeline
+    from gpupar.data import array_pipeline as pipeline, mnist_images as mnist
 
     normalise = mnist.normalise
 

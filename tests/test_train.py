@@ -191,7 +191,7 @@ def test_jit_compile_puts_each_replica_step_in_one_xla_computation():
 
     from gpupar.models.convnet import build_convnet
     from gpupar.training.objective import Objective
-    from gpupar.training.steps import make_train_function
+    from gpupar.training.step import make_train_function
 
     strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
     with strategy.scope():
@@ -232,12 +232,13 @@ def test_mixed_precision_computes_in_16_bits_and_keeps_the_update(shared_idx_dir
 def test_mixed_float16_scales_the_loss(shared_idx_dir):
     import keras
 
-    from gpupar.training.engine import build_engine
+    from gpupar.presets.mnist import mnist_run
+    from gpupar.presets.mnist_options import MnistOptions
+    from gpupar.training import modes
+    from gpupar.training.setup import build_engine
 
-    from gpupar.training.presets import mnist_task
-
-    config = gpupar.Config(precision="mixed_float16", batch_size=16, data_dir=shared_idx_dir)
-    engine = build_engine(config, mnist_task(config))
+    config, task = mnist_run(gpupar.Config(precision="mixed_float16", batch_size=16), MnistOptions(data_dir=shared_idx_dir))
+    engine = build_engine(config, task, modes.checked(config))
     scaled = engine.update_optimizer
     assert isinstance(scaled, keras.optimizers.LossScaleOptimizer) and scaled.dynamic_scale > 1
     assert scaled.inner_optimizer is engine.optimizer

@@ -1,1 +1,1 @@
-"""Watching training: input waits, GPU utilisation, profiles, `gpupar diagnose`, `gpupar devices` and `gpupar plot`."""
+"""Probes that training uses: input waits, GPU utilisation, profiles (the commands that report them are in gpupar.commands)."""

@@ -41,22 +41,22 @@ class InputWait:
         return f"input wait {self.fraction:.0%} of step time: {'input-bound' if self.input_bound else 'not input-bound'}"
 
 
-def likely_causes(config, input_rate=None, step_rate=None, cpus=None) -> list:
-    """The likely reasons `config` starves the step, each with its fix, most likely first.
+def likely_causes(input_options, hints=(), input_rate=None, step_rate=None, cpus=None) -> list:
+    """The likely reasons the input pipeline starves the step, each with its fix, most likely first.
 
-    input_rate and step_rate (examples/s of the pipeline alone and of the step alone, from
-    `gpupar diagnose`) tell a slow pipeline from one that is fast alone but starved of CPU;
-    cpus is the number of cores the process may use (default: this process's affinity).
+    input_options: the Config's InputOptions. hints: what the input form itself says may starve
+    the step (DataAdapter.input_bound_hints), first. input_rate and step_rate (examples/s of the
+    pipeline alone and of the step alone, from `gpupar diagnose`) tell a slow pipeline from one
+    that is fast alone but starved of CPU; cpus is the number of cores the process may use
+    (default: this process's affinity).
     """
     cpus = cpus or len(os.sched_getaffinity(0))
-    causes = []
-    if config.augment and config.augment_on == "host":
-        causes.append("augmentation runs on the host, one image at a time: use --augment_on=device")
-    if config.num_parallel_calls is not None and config.num_parallel_calls < cpus:
-        causes.append(f"--num_parallel_calls={config.num_parallel_calls} maps on fewer threads than the "
+    causes = list(hints)
+    if input_options.num_parallel_calls is not None and input_options.num_parallel_calls < cpus:
+        causes.append(f"--num_parallel_calls={input_options.num_parallel_calls} maps on fewer threads than the "
                       f"{cpus} CPU cores: raise it, or leave it unset for AUTOTUNE")
-    if config.data_threads is not None and config.data_threads < cpus:
-        causes.append(f"--data_threads={config.data_threads} gives tf.data fewer threads than the {cpus} CPU "
+    if input_options.data_threads is not None and input_options.data_threads < cpus:
+        causes.append(f"--data_threads={input_options.data_threads} gives tf.data fewer threads than the {cpus} CPU "
                       "cores: raise it, or leave it unset for TensorFlow's shared pool")
     if input_rate is not None and step_rate is not None:
         ratio = input_rate / step_rate
@@ -76,11 +76,11 @@ def likely_causes(config, input_rate=None, step_rate=None, cpus=None) -> list:
     return causes
 
 
-def warning(wait: InputWait, config, gpus: bool = False) -> str:
+def warning(wait: InputWait, input_options, hints=(), gpus: bool = False) -> str:
     """The warning for an input-bound run: the measurement, then the likely causes and fixes.
 
     `gpus`: whether the run's devices are GPUs, where the sign is the well-known one.
     """
     sign = " (memory full, GPU-Util near 0%)" if gpus else ""
     return (f"training is input-bound: the step waited for input {wait.fraction:.0%} of the time, so the "
-            f"devices sat idle{sign}. Likely: {'; '.join(likely_causes(config))}")
+            f"devices sat idle{sign}. Likely: {'; '.join(likely_causes(input_options, hints))}")

@@ -163,13 +163,13 @@ def gpu_memory(num_gpus: int, environ=None) -> Tuple[Tuple[Optional[int], ...], 
 
 
 def configure_devices(config) -> DevicePlan:
-    """Applies the device fields of a Config to TensorFlow; call it before any other TF work.
+    """Applies the device options (a Config's DeviceSetup) to TensorFlow; call it before any other TF work.
 
     If TensorFlow has already set up its devices, a request it can still honour (the same or
     fewer virtual CPUs, no GPU change) is accepted.
 
     Args:
-      config: A gpupar.Config.
+      config: A gpupar.config.DeviceSetup (or a gpupar.Config, whose device_setup is read).
 
     Returns:
       The DevicePlan that was applied.
@@ -179,6 +179,7 @@ def configure_devices(config) -> DevicePlan:
     """
     import tensorflow as tf
 
+    config = getattr(config, "device_setup", config)
     physical_gpus = tf.config.list_physical_devices("GPU")
     totals, free = gpu_memory(len(physical_gpus)) if config.memory_fraction is not None else (None, None)
     plan = plan_devices(

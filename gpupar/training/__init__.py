@@ -1,5 +1,5 @@
-"""Training: the steps (inner loop), the engine (one set-up per run), the loop (one for every mode), the run.
+"""Training: the step and its inner loop, the modes, the one set-up, the outer loop and its observers, the run.
 
-Imports point one way: steps <- engine <- loop <- run. Checkpoints, signals, summaries, output
-folders and results are the loop's and the run's helpers.
+Imports point one way: objective <- step <- inner loop <- engine <- modes <- setup <- loop <- run.
+Checkpoints, signals, output folders, observers and results are the loop's and the run's helpers.
 """

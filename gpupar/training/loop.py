@@ -1,32 +1,29 @@
-"""The outer loop, one for every mode: epochs of K-step calls, progress lines, evaluation, checkpoints, stops.
+"""The outer loop, one for every mode: epochs of K-step calls, evaluation, checkpoints, stops; observers watch it.
 
 The loop drives an Engine (gpupar.training.engine) and knows nothing of its mode: it asks for
 calls of steps, adds up the results each call reports (a parameter-server engine reports
 steps that finished later than they were asked for), and at an epoch's end, or before it
-saves, lets the engine finish what is still in flight. It calls the Keras callbacks as
-`model.fit` does: on_train_begin/end, on_epoch_begin/end with the epoch's logs, and
-on_train_batch_end once per call; `model.stop_training` stops it after a checkpoint.
+saves, lets the engine finish what is still in flight. Everything that watches it (progress
+lines, TensorBoard, the metrics file, the input-wait monitor, the GPU sampler, the profile
+window, the user's Keras callbacks) is an observer in one list (gpupar.training.observers),
+called at the same points; `model.stop_training` stops it after a checkpoint.
 """
 
 import dataclasses
 import logging
 import math
 import signal
-import statistics
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
-import keras
 import numpy as np
 
 from gpupar.errors import GpuparError
-from gpupar.monitor import bottleneck
-from gpupar.monitor.bottleneck import InputWait
-from gpupar.monitor.profiling import ProfileWindow
 from gpupar.training.checkpoint import Position
+from gpupar.training.inner_loop import Results
 from gpupar.training.interrupt import TrainingInterrupted
-from gpupar.training.result import EpochRecord, format_logs
-from gpupar.training.steps import Results
+from gpupar.training.observers import CallEnd, ProgressLine
+from gpupar.training.result import EpochRecord
 
 log = logging.getLogger("gpupar")
 
@@ -94,30 +91,10 @@ class EpochTotals:
         return logs
 
 
-def _workers_note(by_worker) -> str:
-    """', updates by worker: 0: 16, 1: 16' where workers step on their own (parameter servers), else ''."""
-    if not by_worker:
-        return ""
-    return ", updates by worker: " + ", ".join(f"{w}: {n}" for w, n in sorted(by_worker.items(), key=lambda i: int(i[0])))
-
-
 def _stopped_without_saving(latest_checkpoint) -> str:
     """What a stop for non-finite numbers says it left on disk, and what to do."""
     left = f"the last good checkpoint {latest_checkpoint} is kept" if latest_checkpoint else "no checkpoint was written"
     return f"stopped without saving ({left}). Lower learning_rate, check the input data, or pass nan_policy=skip."
-
-
-def _check_finite(loss, epoch, first_step, last_step, checkpoint):
-    """Raises when the loss of steps first_step..last_step (1-based, in the epoch) is not finite."""
-    if not math.isfinite(loss):
-        where = f"step {last_step}" if first_step == last_step else f"one of steps {first_step}..{last_step}"
-        raise GpuparError(f"training loss became {loss} at epoch {epoch}, {where}; {_stopped_without_saving(checkpoint)}")
-
-
-def _mean_util(gpus) -> Optional[float]:
-    """The mean GPU-Util of the sampled GPUs that report one (a MIG card does not), or None."""
-    utils = [g.mean_util_percent for g in gpus if g.mean_util_percent is not None]
-    return statistics.fmean(utils) if utils else None
 
 
 def _crosses(before: int, after: int, every) -> bool:
@@ -132,61 +109,16 @@ class _Epoch:
     `asked` until the engine's finish().
     """
 
-    def __init__(self, loop, epoch: int, start: Position, stop):
-        self.loop, self.epoch, self.start, self.stop = loop, epoch, start, stop
+    def __init__(self, epoch: int, start: Position):
+        self.epoch, self.start = epoch, start
         self.began = time.perf_counter()
         self.totals = EpochTotals.from_dict(start.totals)  # the steps before start.step, in an earlier run
         self.shown, self.shown_time = self.totals.copy(), self.began
         self.asked = self.finished = start.step
 
-    def add(self, results: Results, skipped: int):
-        """Adds the steps a call reports (`skipped` of them non-finite), with the callbacks and the progress line."""
-        loop, engine, config = self.loop, self.loop.engine, self.loop.config
-        before, self.finished = self.finished, self.finished + results.steps
-        self.totals.add(results, skipped, engine.global_batch)
-        _check_finite(self.totals.loss, self.epoch, before + 1, self.finished, loop.checkpoints.latest)
-        if not results.steps:
-            return
-        loop.callbacks.on_train_batch_end(self.finished - 1, self.totals.logs(engine.objective))
-        if _crosses(before, self.finished, config.display_step) or self.finished == engine.steps_per_epoch \
-                or self.stop.signum:
-            self._progress_line()
-
-    def _progress_line(self):
-        """Logs the steps since the last line: position, logs, speed; and writes them to TensorBoard."""
-        loop, engine, per_epoch = self.loop, self.loop.engine, self.loop.engine.steps_per_epoch
-        now, interval = time.perf_counter(), self.totals.since(self.shown)
-        logs = interval.logs(engine.objective)
-        position = f"{self.finished} / {per_epoch}" + (
-            f" updates, {self.totals.examples:,} examples" if loop.config.accumulate_steps > 1 else "")
-        log.info("Epoch:[%d] [%s] %s, %s examples/s%s%s", self.epoch, position, format_logs(logs),
-                 f"{interval.examples / (now - self.shown_time):,.0f}",
-                 f", skipped {interval.skipped} non-finite step(s)" if interval.skipped else "",
-                 _workers_note(interval.by_worker))
-        loop._warn_if_input_bound()
-        loop.summaries.step(self.epoch * per_epoch + self.finished, logs)
-        self.shown, self.shown_time = self.totals.copy(), now
-
-    def save_step(self):
-        """Saves a step checkpoint once every step asked for is in the weights, and in the totals."""
-        loop, per_epoch = self.loop, self.loop.engine.steps_per_epoch
-        self.add(loop.engine.finish(), 0)
-        so_far = dataclasses.replace(self.totals.copy(), seconds=self.totals.seconds + time.perf_counter() - self.began)
-        position = Position(self.epoch, self.asked, totals=so_far.to_dict())
-        return loop._save(self.epoch, self.asked, lambda: loop.checkpoints.save_step(
-            position, self.epoch * per_epoch + self.asked))
-
-    def record(self, wait: InputWait, gpus) -> EpochRecord:
-        """The whole epoch's EpochRecord, its evaluation included."""
-        totals, engine = self.totals, self.loop.engine
-        totals.seconds += time.perf_counter() - self.began
-        return EpochRecord(
-            epoch=self.epoch, logs={**totals.logs(engine.objective), **engine.evaluate()}, seconds=totals.seconds,
-            examples_per_second=totals.examples / totals.seconds, steps=totals.steps, skipped_steps=totals.skipped,
-            input_wait_fraction=wait.fraction, resumed_at_step=self.start.step,
-            updates_by_worker=dict(totals.by_worker) or None, gpu_util_percent=_mean_util(gpus),
-            gpu_memory_used_mb=max(g.max_memory_used_mb for g in gpus) if gpus else None,
-        )
+    def so_far(self) -> EpochTotals:
+        """The totals with the seconds so far: what a step checkpoint holds."""
+        return dataclasses.replace(self.totals.copy(), seconds=self.totals.seconds + time.perf_counter() - self.began)
 
 
 class _CallbackStop(Exception):
@@ -194,47 +126,59 @@ class _CallbackStop(Exception):
 
 
 class Loop:
-    """Trains an engine from a checkpoint's position to config.epochs, saving as it goes.
+    """Trains an engine from a checkpoint's position to the last epoch, saving as it goes, watched by observers.
 
     Attributes:
       engine: What runs the steps and the evaluation.
-      config: The run's Config.
+      options: The Config's LoopOptions.
       checkpoints: Where the loop saves (gpupar.training.checkpoint.Checkpoints).
-      summaries: The TensorBoard writer (gpupar.training.summaries.Summaries).
-      callbacks: The Keras callbacks, as a keras.callbacks.CallbackList.
-      gpu_sampler: The NVML sampler of the GPUs in use, or None.
-      after_epoch: after_epoch(history) once an epoch's checkpoint is saved (the metrics file), or None.
+      observers: Everything that watches training (gpupar.training.observers.Observers).
+      nan_policy: "stop" or "skip" (a skipped step leaves the update counter where it was).
     """
 
-    def __init__(self, engine, config, checkpoints, summaries, callbacks=(), gpu_sampler=None, after_epoch=None):
-        self.engine, self.config, self.checkpoints, self.summaries = engine, config, checkpoints, summaries
-        self.after_epoch = after_epoch
-        self.callbacks = keras.callbacks.CallbackList(list(callbacks), model=engine.model, epochs=config.epochs,
-                                                      steps=engine.steps_per_epoch, verbose=0)
-        self.gpu_sampler, self.gpus = gpu_sampler, []  # the GPUs' summaries over the last epoch
-        self.profile = ProfileWindow(config.profile_steps, config.log_dir)
-        self.done = 0  # steps this process asked for, for the profile window
-        self.warned = False  # the input-bound warning is given once per run
-        self.wait = InputWait()  # this epoch's input waits
+    def __init__(self, engine, options, checkpoints, observers, nan_policy: str = "stop"):
+        self.engine, self.options, self.checkpoints, self.observers = engine, options, checkpoints, observers
+        self.skips = nan_policy == "skip"
+        self.input = self.stop = None  # set by run()
+        self.done = 0  # steps this process asked for
 
-    def _call(self, num_steps: int):
-        """Runs one call of num_steps steps; returns (the results it reports, how many of them were skipped)."""
-        skips = self.config.nan_policy == "skip"
-        updates_before = int(self.engine.updates.numpy()) if skips else 0
-        self.profile.before(self.done)
-        results = self.engine.train(num_steps, self.done == 0)
+    def _call(self, current: _Epoch, num_steps: int):
+        """Runs one call of num_steps steps and adds what it reports to the epoch."""
+        engine = self.engine
+        updates_before = int(engine.updates.numpy()) if self.skips else 0
+        self.observers.on_call_begin(self.done)
+        results = engine.run_steps(self.input, num_steps, self.done == 0)
         self.done += num_steps
-        self.profile.after(self.done)
-        if results.waited is not None:
-            self.wait.add(results.waited, results.busy, results.steps)
         # The update counter stands still on a skipped step.
-        skipped = results.steps - (int(self.engine.updates.numpy()) - updates_before) if skips else 0
-        return results, skipped
+        skipped = results.steps - (int(engine.updates.numpy()) - updates_before) if self.skips else 0
+        self._add(current, results, skipped)
 
-    def _warn_if_input_bound(self):
-        if self.wait.input_bound and not self.warned:
-            log.warning(bottleneck.warning(self.wait, self.config, self.engine.on_gpus))
-            self.warned = True
+    def _add(self, current: _Epoch, results: Results, skipped: int):
+        """Adds the steps a call reports (`skipped` of them non-finite); tells the observers; a progress line when due."""
+        engine = self.engine
+        before, current.finished = current.finished, current.finished + results.steps
+        current.totals.add(results, skipped, engine.global_batch)
+        loss = current.totals.loss
+        if not math.isfinite(loss):
+            where = f"step {current.finished}" if before + 1 == current.finished else \
+                f"one of steps {before + 1}..{current.finished}"
+            raise GpuparError(f"training loss became {loss} at epoch {current.epoch}, {where}; "
+                              f"{_stopped_without_saving(self.checkpoints.latest)}")
+        self.observers.on_call_end(CallEnd(self.done, current.epoch, current.finished, results,
+                                           lambda: current.totals.logs(engine.objective)))
+        if results.steps and (_crosses(before, current.finished, self.options.display_step)
+                              or current.finished == engine.steps_per_epoch or self.stop.signum):
+            self._progress(current)
+
+    def _progress(self, current: _Epoch):
+        """Tells the observers about the steps since the last progress line."""
+        now, interval = time.perf_counter(), current.totals.since(current.shown)
+        per_epoch = self.engine.steps_per_epoch
+        self.observers.on_progress(ProgressLine(
+            current.epoch, current.finished, per_epoch, current.epoch * per_epoch + current.finished,
+            interval.logs(self.engine.objective), interval.examples / (now - current.shown_time),
+            current.totals.examples, interval.skipped, dict(interval.by_worker)))
+        current.shown, current.shown_time = current.totals.copy(), now
 
     def _save(self, epoch, step, save):
         """Saves through `save` unless a non-finite gradient has already spoilt the weights."""
@@ -243,85 +187,88 @@ class Loop:
                               f"{_stopped_without_saving(self.checkpoints.latest)}")
         return save()
 
+    def _save_step(self, current: _Epoch):
+        """Saves a step checkpoint once every step asked for is in the weights, and in the totals."""
+        self._add(current, self.engine.finish(), 0)
+        position = Position(current.epoch, current.asked, totals=current.so_far().to_dict())
+        return self._save(current.epoch, current.asked, lambda: self.checkpoints.save_step(
+            position, current.epoch * self.engine.steps_per_epoch + current.asked))
+
     def _chunk(self, step):
-        """Steps in the next call: K, cut at the epoch end and at step-checkpoint boundaries."""
+        """Steps in the next call: K, cut at the epoch end, at step-checkpoint boundaries and by the observers."""
         num = min(self.engine.steps_per_call, self.engine.steps_per_epoch - step)
-        every = self.config.checkpoint_every_steps
+        every = self.options.checkpoint_every_steps
         if every is not None:
             num = min(num, every - step % every)
-        return self.profile.limit(self.done, num)
+        return self.observers.call_size(self.done, num)
 
-    def epoch(self, epoch, start: Position, stop) -> EpochRecord:
+    def epoch(self, epoch, start: Position) -> EpochRecord:
         """Trains the rest of one epoch from `start`; returns its EpochRecord, the whole epoch's.
 
         Raises:
           TrainingInterrupted: a signal, after a step checkpoint.
           _CallbackStop: a callback set model.stop_training, after a step checkpoint.
         """
-        per_epoch = self.engine.steps_per_epoch
-        self.wait = InputWait()
-        if self.gpu_sampler:
-            self.gpu_sampler.take()  # drops the samples of evaluation and saving since the last epoch
-        current = _Epoch(self, epoch, start, stop)
+        per_epoch, every, stop = self.engine.steps_per_epoch, self.options.checkpoint_every_steps, self.stop
+        current = _Epoch(epoch, start)
         while current.asked < per_epoch:
             if stop.signum:
-                self._interrupt(stop, current.save_step())
+                self._interrupt(stop, self._save_step(current))
             num_steps = self._chunk(current.asked)
-            current.add(*self._call(num_steps))
+            self._call(current, num_steps)
             current.asked += num_steps
             if current.asked < per_epoch and self.engine.model.stop_training:
-                saved = current.save_step()
+                saved = self._save_step(current)
                 log.info("Epoch:[%d] a callback stopped training at step %d%s", epoch, current.asked,
                          f"; saved {saved}" if saved else "")
                 raise _CallbackStop()
             if current.asked < per_epoch and not stop.signum and _crosses(current.asked - num_steps, current.asked,
-                                                                           self.config.checkpoint_every_steps):
-                current.save_step()
-        current.add(self.engine.finish(), 0)
-        self.gpus = self.gpu_sampler.take() if self.gpu_sampler else []
-        return current.record(self.wait, self.gpus)
+                                                                           every):
+                self._save_step(current)
+        self._add(current, self.engine.finish(), 0)
+        return self._record(current)
+
+    def _record(self, current: _Epoch) -> EpochRecord:
+        """The whole epoch's EpochRecord, its evaluation and the observers' figures included."""
+        totals = current.totals
+        totals.seconds += time.perf_counter() - current.began
+        figures = self.observers.epoch_figures()  # before the evaluation, which they do not measure
+        return EpochRecord(
+            epoch=current.epoch, logs={**totals.logs(self.engine.objective), **self.engine.evaluate()},
+            seconds=totals.seconds, examples_per_second=totals.examples / totals.seconds, steps=totals.steps,
+            skipped_steps=totals.skipped, resumed_at_step=current.start.step,
+            updates_by_worker=dict(totals.by_worker) or None, **figures)
 
     @staticmethod
     def _interrupt(stop, saved):
         log.info("%s received: %s", signal.Signals(stop.signum).name, f"saved {saved}" if saved else "nothing to save")
         raise TrainingInterrupted(stop.signum, saved)
 
-    def run(self, start: Position, stop):
-        """Trains from `start` to config.epochs; returns the EpochRecords."""
-        history = []
-        if start.epoch >= self.config.epochs:
-            log.info("nothing to train: the checkpoint already holds %d epoch(s), epochs=%d",
-                     start.epoch, self.config.epochs)
+    def run(self, start: Position, stop) -> List[EpochRecord]:
+        """Trains from `start` to the last epoch; returns the EpochRecords of this run."""
+        history, epochs, self.stop = [], self.options.epochs, stop
+        if start.epoch >= epochs:
+            log.info("nothing to train: the checkpoint already holds %d epoch(s), epochs=%d", start.epoch, epochs)
+        self.input = self.engine.start(start.epoch * self.engine.steps_per_epoch + start.step)
         self.engine.model.stop_training = False
-        self.callbacks.on_train_begin()
-        for epoch in range(start.epoch, self.config.epochs):
-            self.callbacks.on_epoch_begin(epoch)
+        self.observers.on_train_begin()
+        for epoch in range(start.epoch, epochs):
+            self.observers.on_epoch_begin(epoch)
             try:
-                record = self.epoch(epoch, start if epoch == start.epoch else Position(epoch), stop)
+                record = self.epoch(epoch, start if epoch == start.epoch else Position(epoch))
             except _CallbackStop:
                 break
             history.append(record)
-            self.summaries.epoch(epoch, record)
             saved = self._save(epoch, self.engine.steps_per_epoch, lambda: self.checkpoints.save_epoch(epoch + 1))
-            if self.after_epoch is not None:
-                self.after_epoch(history)
-            log.info("Epoch:[%d] %s, %.1f s, %s examples/s%s%s", epoch, format_logs(record.logs), record.seconds,
-                     f"{record.examples_per_second:,.0f}", _workers_note(record.updates_by_worker),
-                     f", saved {saved}" if saved else "")
-            if self.wait.steps:
-                log.info("Epoch:[%d] %s", epoch, self.wait.describe())
-            for gpu in self.gpus:
-                log.info("Epoch:[%d] %s", epoch, gpu.describe())
-            self._warn_if_input_bound()
-            self.callbacks.on_epoch_end(epoch, dict(record.logs))
+            self.observers.on_epoch_end(record, saved, history)
             if stop.signum:
                 self._interrupt(stop, saved)
-            reached = self.config.reached(record.logs)
+            reached = self.options.reached(record.logs)
             if reached:
                 log.info("Epoch:[%d] %s; stopping", epoch, reached)
                 break
             if self.engine.model.stop_training:
                 log.info("Epoch:[%d] a callback stopped training", epoch)
                 break
-        self.callbacks.on_train_end(dict(history[-1].logs) if history else None)
+        self.observers.on_train_end(history)
         return history

@@ -15,17 +15,16 @@ import tempfile
 import tensorflow as tf
 
 from gpupar.runtime.cluster import Cluster
-from gpupar.config import Config
 from gpupar.errors import GpuparError
 
 log = logging.getLogger("gpupar")
 
 
-def worker_config(config: Config, cluster: Cluster) -> Config:
-    """The config a non-chief worker runs with: no summaries, no metrics file."""
+def worker_outputs(outputs, cluster: Cluster):
+    """The OutputOptions a non-chief worker runs with: no summaries, no metrics file."""
     if cluster.is_chief:
-        return config
-    return dataclasses.replace(config, log_dir=None, metrics_json=None)
+        return outputs
+    return dataclasses.replace(outputs, log_dir=None, metrics_json=None)
 
 
 class ScratchDir:

@@ -4,8 +4,8 @@ By default every run gets a folder of its own, as Lightning's `lightning_logs/ve
 new numbered folder under runs/ (runs/001, runs/002, ...) with its checkpoints, `tensorboard/`
 and `metrics.json`, so a first run keeps what it learnt and never overwrites an earlier one;
 `resume=True` without a model_dir continues the latest of them. `plan_outputs` decides from the
-config and the folder names that exist (tests call it with made-up names); `resolve_outputs`
-reads runs/ and applies the plan.
+output options and the folder names that exist (tests call it with made-up names);
+`resolve_outputs` reads runs/ and applies the plan.
 """
 
 import dataclasses
@@ -22,7 +22,7 @@ _NUMBERED = re.compile(r"^\d{3,}$")
 
 
 @dataclasses.dataclass(frozen=True)
-class Outputs:
+class RunFolders:
     """Where one run writes.
 
     Attributes:
@@ -38,53 +38,53 @@ class Outputs:
     warning: Optional[str] = None
 
 
-def plan_outputs(config, existing: Sequence[str], runs_dir: str = RUNS_DIR, chief: bool = True) -> Outputs:
-    """The folders of a run under `config`, given the names of the folders now in runs_dir.
+def plan_outputs(outputs, existing: Sequence[str], runs_dir: str = RUNS_DIR, chief: bool = True) -> RunFolders:
+    """The folders of a run with these OutputOptions, given the names of the folders now in runs_dir.
 
     A cluster's other tasks (not `chief`) keep nothing (gpupar.training.multi_worker): they only read the
     run folder the chief resumes from.
     """
     numbers = sorted(int(name) for name in existing if _NUMBERED.match(name))
-    model_dir, warning = config.model_dir, None
+    model_dir, warning = outputs.model_dir, None
     if not chief:
-        latest = os.path.join(runs_dir, f"{numbers[-1]:03d}") if config.resume is True and numbers else None
-        return Outputs(model_dir or latest, None, None)
+        latest = os.path.join(runs_dir, f"{numbers[-1]:03d}") if outputs.resume is True and numbers else None
+        return RunFolders(model_dir or latest, None, None)
     if model_dir is None:
-        if config.resume is True and numbers:
+        if outputs.resume is True and numbers:
             model_dir = os.path.join(runs_dir, f"{numbers[-1]:03d}")
-        elif config.save:
+        elif outputs.save:
             model_dir = os.path.join(runs_dir, f"{(numbers[-1] + 1 if numbers else 1):03d}")
-            if config.resume is True:
+            if outputs.resume is True:
                 warning = f"resume: no earlier run under {runs_dir}/, so this run starts from scratch in {model_dir}"
-    defaults = config.save and model_dir is not None
-    return Outputs(
+    defaults = outputs.save and model_dir is not None
+    return RunFolders(
         model_dir=model_dir,
-        log_dir=config.log_dir or (os.path.join(model_dir, TENSORBOARD) if defaults else None),
-        metrics_json=config.metrics_json or (os.path.join(model_dir, METRICS) if defaults else None),
+        log_dir=outputs.log_dir or (os.path.join(model_dir, TENSORBOARD) if defaults else None),
+        metrics_json=outputs.metrics_json or (os.path.join(model_dir, METRICS) if defaults else None),
         warning=warning,
     )
 
 
-def resolve_outputs(config, chief: bool = True):
-    """The config with its output folders filled in (plan_outputs on this machine's runs/)."""
+def resolve_outputs(outputs, chief: bool = True):
+    """The OutputOptions with their folders filled in (plan_outputs on this machine's runs/)."""
     existing = os.listdir(RUNS_DIR) if os.path.isdir(RUNS_DIR) else []
-    outputs = plan_outputs(config, existing, chief=chief)
-    if outputs.warning:
-        log.warning(outputs.warning)
-    if chief and config.resume is True and config.model_dir and not os.path.isdir(config.model_dir):
+    folders = plan_outputs(outputs, existing, chief=chief)
+    if folders.warning:
+        log.warning(folders.warning)
+    if chief and outputs.resume is True and outputs.model_dir and not os.path.isdir(outputs.model_dir):
         log.warning("resume: model_dir=%r does not exist (check the path), so this run starts from scratch there",
-                    config.model_dir)
-    return dataclasses.replace(config, model_dir=outputs.model_dir, log_dir=outputs.log_dir,
-                               metrics_json=outputs.metrics_json)
+                    outputs.model_dir)
+    return dataclasses.replace(outputs, model_dir=folders.model_dir, log_dir=folders.log_dir,
+                               metrics_json=folders.metrics_json)
 
 
-def describe_outputs(config, checkpoint: Optional[str]) -> str:
+def describe_outputs(outputs, checkpoint: Optional[str]) -> str:
     """The run's last line about its files: where checkpoints, TensorBoard logs and metrics went."""
     parts = []
-    if config.save and config.model_dir is not None:
-        parts.append(f"checkpoints in {config.model_dir}" + (f" (latest {checkpoint})" if checkpoint else ""))
-    if config.log_dir is not None:
-        parts.append(f"TensorBoard: tensorboard --logdir {config.log_dir}")
-    if config.metrics_json is not None:
-        parts.append(f"metrics: {config.metrics_json}")
+    if outputs.save and outputs.model_dir is not None:
+        parts.append(f"checkpoints in {outputs.model_dir}" + (f" (latest {checkpoint})" if checkpoint else ""))
+    if outputs.log_dir is not None:
+        parts.append(f"TensorBoard: tensorboard --logdir {outputs.log_dir}")
+    if outputs.metrics_json is not None:
+        parts.append(f"metrics: {outputs.metrics_json}")
     return "outputs: " + ("; ".join(parts) if parts else "none written (save=False)")

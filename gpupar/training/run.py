@@ -1,11 +1,11 @@
-"""One training run from a Config: cluster dispatch, output folders, locks, restore, the loop, the result.
+"""One training run from a Config: the mode, output folders, locks, restore, the observers, the loop, the result.
 
     import gpupar
     result = gpupar.fit(model_fn, (x, y), eval_data=(x_test, y_test), strategy="mirrored")
 
 In a synchronous cluster every worker runs the same loop and only the chief keeps what it writes
 (gpupar.training.multi_worker); with parameter servers the chief coordinates and the other
-tasks serve (gpupar.training.parameter_server).
+tasks serve (gpupar.training.modes.parameter_server).
 """
 
 import contextlib
@@ -14,18 +14,19 @@ import time
 
 import tensorflow as tf
 
-from gpupar.config import PARAMETER_SERVERS, Config, check_mode, run_mode
+from gpupar.config import Config
 from gpupar.monitor import utilisation
 from gpupar.runtime.cluster import detect_cluster
-from gpupar.training import multi_worker, parameter_server
+from gpupar.training import modes, multi_worker
 from gpupar.training.checkpoint import Checkpoints, ModelDirLock
-from gpupar.training.engine import build_engine
 from gpupar.training.interrupt import StopRequests
 from gpupar.training.loop import Loop
+from gpupar.training.observers import (GpuUse, InputWaitMonitor, KerasCallbacks, MetricsFile, Observers, Profile,
+                                       ProgressLog, TensorBoardScalars)
 from gpupar.training.outputs import describe_outputs, resolve_outputs
 from gpupar.training.result import FitResult, format_logs
+from gpupar.training.setup import build_engine
 from gpupar.training.task import Task
-from gpupar.training.summaries import Summaries
 
 log = logging.getLogger("gpupar")
 
@@ -45,34 +46,33 @@ def train_and_evaluate(config: Config, task: Task) -> FitResult:
         non-finite loss (the last good checkpoint is kept), a cluster that broke.
       TrainingInterrupted: SIGINT or SIGTERM, after a checkpoint.
     """
-    cluster = detect_cluster(slurm_ps=config.slurm_ps)
-    mode = run_mode(config, cluster)
-    check_mode(config, mode)  # strategy=auto in a cluster with ps tasks decides the mode only now
+    cluster = detect_cluster(slurm_ps=config.distribution.slurm_ps)
+    mode = modes.checked(config, cluster)  # strategy=auto in a cluster with ps tasks decides the mode only now
     chief = cluster is None or cluster.is_chief
-    config = resolve_outputs(config, chief=chief)
-    if mode == PARAMETER_SERVERS and cluster is not None and cluster.task_type != "chief":
-        parameter_server.serve(config, cluster)  # never returns
+    outputs = resolve_outputs(config.outputs, chief=chief)
+    if mode.serves(cluster):
+        mode.serve(config, cluster)  # never returns
     started = time.perf_counter()
-    engine = build_engine(config, task, cluster)  # every check of the input first: nothing is written before
+    engine = build_engine(config, task, mode, cluster)  # every check of the input first: nothing is written before
     with contextlib.ExitStack() as held:
-        held.enter_context(ModelDirLock(config.model_dir if chief and config.save else None))
+        held.enter_context(ModelDirLock(outputs.model_dir if chief and outputs.save else None))
         stop = held.enter_context(StopRequests())
         scratch = None
         if cluster is not None:
             # TF's coordination service took SIGTERM over when the strategy started.
             stop.reinstall()
-            if mode != PARAMETER_SERVERS:
-                scratch = held.enter_context(multi_worker.ScratchDir(cluster, config.model_dir, config.save)).path
-                config = multi_worker.worker_config(config, cluster)
+            if engine.lockstep_workers:
+                scratch = held.enter_context(multi_worker.ScratchDir(cluster, outputs.model_dir, outputs.save)).path
+                outputs = multi_worker.worker_outputs(outputs, cluster)
                 stop = multi_worker.AgreedStop(stop, engine.strategy)  # every worker stops after the same step
-        return _run(config, engine, task, stop, cluster, scratch, started)
+        return _run(config, outputs, engine, task, stop, cluster, scratch, started)
 
 
-def _run(config: Config, engine, task, stop, cluster, scratch_dir, started) -> FitResult:
-    checkpoints = Checkpoints(config.model_dir, engine.model, engine.optimizer, config.max_to_keep,
-                              engine.global_batch, engine.signature, config.save,
-                              engine.update_optimizer if config.precision == "mixed_float16" else None)
-    saved_at = checkpoints.restore(config.resume)
+def _run(config: Config, outputs, engine, task, stop, cluster, scratch_dir, started) -> FitResult:
+    checkpoints = Checkpoints(outputs.model_dir, engine.model, engine.optimizer, outputs.max_to_keep,
+                              engine.global_batch, engine.signature, outputs.save,
+                              engine.update_optimizer if config.step.precision == "mixed_float16" else None)
+    saved_at = checkpoints.restore(outputs.resume)
     if scratch_dir is not None:
         checkpoints.write_to(scratch_dir)  # a non-chief worker: it restores the chief's, keeps nothing
     start = saved_at.rebatched(engine.global_batch, engine.steps_per_epoch)
@@ -82,41 +82,47 @@ def _run(config: Config, engine, task, stop, cluster, scratch_dir, started) -> F
                  saved_at.epoch, engine.steps_per_epoch, engine.global_batch, start.step)
     if engine.learning_rate is not None:
         engine.optimizer.learning_rate.assign(engine.learning_rate)  # the checkpoint's value would win otherwise
-    engine.start(start.epoch * engine.steps_per_epoch + start.step)
 
-    summaries = Summaries(config.log_dir)
-    with contextlib.ExitStack() as cleanup, _lost_peers_explained(cluster, checkpoints):
-        cleanup.callback(summaries.close)
-        gpu_sampler = utilisation.start_sampler(engine.visible_gpus, log)
-        if gpu_sampler:
-            cleanup.callback(gpu_sampler.stop)
-        def write_metrics(so_far):  # after every epoch, so a run killed later keeps its epochs' records
-            _result(engine, so_far, dict(so_far[-1].logs), started, start.epoch, checkpoints).write_json(
-                config.metrics_json)
+    def result(history, logs):
+        return FitResult(
+            model=engine.model, strategy=engine.strategy, history=list(history), logs=logs,
+            total_seconds=time.perf_counter() - started, strategy_description=engine.description,
+            replicas=engine.replicas, global_batch=engine.global_batch, start_epoch=start.epoch,
+            checkpoint=checkpoints.latest)
 
-        loop = Loop(engine, config, checkpoints, summaries, task.callbacks, gpu_sampler,
-                    after_epoch=write_metrics if config.metrics_json else None)
-        cleanup.callback(loop.profile.stop)
+    observers = _observers(config, outputs, engine, task,
+                           lambda history: result(history, dict(history[-1].logs)).write_json(outputs.metrics_json))
+    with contextlib.closing(observers), _lost_peers_explained(cluster, checkpoints):
+        loop = Loop(engine, config.loop, checkpoints, observers, config.step.nan_policy)
         history = loop.run(start, stop)
-    logs = dict(history[-1].logs) if history else engine.evaluate()
-    result = _result(engine, history, logs, started, start.epoch, checkpoints)
-    log.info("Final: %s; total time: %.1f s", format_logs(logs) or "no evaluation data", result.total_seconds)
-    if config.metrics_json:
-        result.write_json(config.metrics_json)
-    if config.export_path and (cluster is None or cluster.is_chief):
-        result.save(config.export_path)
-        log.info("exported the model to %s (keras.models.load_model reads it)", config.export_path)
-    log.info(describe_outputs(config, checkpoints.latest))
-    return result
+    final = result(history, dict(history[-1].logs) if history else engine.evaluate())
+    log.info("Final: %s; total time: %.1f s", format_logs(final.logs) or "no evaluation data", final.total_seconds)
+    if outputs.metrics_json:
+        final.write_json(outputs.metrics_json)
+    if outputs.export_path and (cluster is None or cluster.is_chief):
+        final.save(outputs.export_path)
+        log.info("exported the model to %s (keras.models.load_model reads it)", outputs.export_path)
+    log.info(describe_outputs(outputs, checkpoints.latest))
+    return final
 
 
-def _result(engine, history, logs, started, start_epoch, checkpoints) -> FitResult:
-    """The FitResult of the epochs in `history`, this run's so far."""
-    return FitResult(
-        model=engine.model, strategy=engine.strategy, history=list(history), logs=logs,
-        total_seconds=time.perf_counter() - started, strategy_description=engine.description, replicas=engine.replicas,
-        global_batch=engine.global_batch, start_epoch=start_epoch, checkpoint=checkpoints.latest,
-    )
+def _observers(config: Config, outputs, engine, task, write_metrics) -> Observers:
+    """Everything that watches this run, in the order the loop calls them: the files, the log lines, the probes, the
+    user's callbacks last (they see what was written)."""
+    observers = []
+    if outputs.metrics_json:
+        observers.append(MetricsFile(write_metrics))
+    if outputs.log_dir:
+        observers.append(TensorBoardScalars(outputs.log_dir))
+    observers.append(ProgressLog(show_examples=config.step.accumulate_steps > 1))
+    observers.append(InputWaitMonitor(config.input, task.train.input_bound_hints(), engine.on_gpus))
+    sampler = utilisation.start_sampler(engine.visible_gpus, log)
+    if sampler:
+        observers.append(GpuUse(sampler))
+    if config.loop.profile_steps:
+        observers.append(Profile(config.loop.profile_steps, outputs.log_dir))
+    observers.append(KerasCallbacks(task.callbacks, engine.model, config.loop.epochs, engine.steps_per_epoch))
+    return Observers(observers)
 
 
 @contextlib.contextmanager

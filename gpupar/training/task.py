@@ -1,50 +1,43 @@
 """What a run trains: the model, the data, the loss and metrics, the optimizer and the callbacks.
 
 `user_task` checks what `gpupar.fit` was given, before TensorFlow starts where it can; the MNIST
-presets are Tasks too (gpupar.training.presets). The engine resolves the data after it has
-created the strategy: TensorFlow must not run before a multi-worker strategy exists.
+presets are Tasks too (gpupar.presets.mnist). The data are input adapters (gpupar.data.adapters),
+prepared once the strategy exists: TensorFlow must not run before a multi-worker strategy does.
 """
 
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
+from gpupar.data.adapters import DataAdapter, adapter_for
 from gpupar.errors import GpuparError
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Task:
     """One run's model, data and objective.
 
     Attributes:
       build_model: build_model() -> keras.Model, called under the strategy's scope (twice for
         model_parallel: gpupar.models.staged).
-      sources: sources() -> (training Source, evaluation Source or None) (gpupar.data.sources).
+      train: The training data's adapter.
+      evaluation: The evaluation data's adapter, or None.
       loss: The loss: a Keras name, a keras.losses.Loss, a function, or one per output.
       metrics: Keras metric names or objects, or one list per output.
       optimizer: A Keras optimizer, rebuilt from its config under the strategy's scope; None: Adam.
       callbacks: Keras callbacks.
       signature: The model and its shape-defining options for checkpoints; None: read off the built model.
-      device_transform: device_transform(x, step) on each replica's inputs (the preset's augmentation), or None.
-      train_form: What the training data are, as errors name them ("a dataset_fn", "a tuple", ...).
-      per_worker_input: Whether each parameter-server worker can make its own input from the
-        training data: a dataset_fn, or the MNIST presets' arrays, which gpupar shards per worker.
-      stage_ends: Where the model's pipeline stages end, for strategy=model_parallel when the
-        config gives no stages (the presets' own split); None: the config must give them.
       early_start: What among the arguments started TensorFlow before gpupar could set up its
         devices or cluster, and how to avoid it; "" when nothing did.
     """
 
     build_model: Callable
-    sources: Callable
+    train: DataAdapter
+    evaluation: Optional[DataAdapter] = None
     loss: Any = "sparse_categorical_crossentropy"
     metrics: Any = ("accuracy",)
     optimizer: Any = None
     callbacks: Sequence = ()
     signature: Optional[dict] = None
-    device_transform: Optional[Callable] = None
-    train_form: str = ""
-    per_worker_input: bool = False
-    stage_ends: Optional[tuple] = None
     early_start: str = ""
 
 
@@ -53,11 +46,9 @@ def user_task(model_fn, train_data, eval_data, loss, metrics, optimizer, callbac
 
     Raises:
       GpuparError: a built model instead of a function, something that is not a callable, an
-        optimizer or callback of the wrong kind.
+        optimizer or callback of the wrong kind, data of a form gpupar does not take.
     """
     import keras
-
-    from gpupar.data import sources
 
     if isinstance(model_fn, keras.Model):
         raise GpuparError("model_fn is a built keras.Model; pass a function that builds it, e.g. model_fn=lambda: "
@@ -83,15 +74,9 @@ def user_task(model_fn, train_data, eval_data, loss, metrics, optimizer, callbac
                               "distributed step of its own); put the computation in call() and pass the loss to fit")
         return model
 
-    def resolved():
-        return (sources.resolve(train_data, "train_data"),
-                None if eval_data is None else sources.resolve(eval_data, "eval_data"))
-
-    dataset_fn = callable(train_data) and not isinstance(train_data, (tuple, list))
-    return Task(build_model, resolved, loss, metrics, optimizer, tuple(callbacks),
-                early_start=_early_start(optimizer, train_data, eval_data),
-                train_form="a dataset_fn" if dataset_fn else f"a {type(train_data).__name__}",
-                per_worker_input=dataset_fn)
+    return Task(build_model, adapter_for(train_data, "train_data"),
+                None if eval_data is None else adapter_for(eval_data, "eval_data"), loss, metrics, optimizer,
+                tuple(callbacks), early_start=_early_start(optimizer, train_data, eval_data))
 
 
 def _early_start(optimizer, train_data, eval_data) -> str:

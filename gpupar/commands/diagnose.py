@@ -17,11 +17,12 @@ import time
 
 import tensorflow as tf
 
-from gpupar.config import SYNCHRONOUS, Config, run_mode
+from gpupar.config import Config
 from gpupar.errors import GpuparError
 from gpupar.monitor import bottleneck
 from gpupar.monitor.bottleneck import InputWait
-from gpupar.training.engine import build_engine
+from gpupar.training import modes
+from gpupar.training.setup import build_engine
 
 log = logging.getLogger("gpupar")
 WARM_UP_STEPS = 3  # traced and discarded before each measurement
@@ -154,19 +155,20 @@ def diagnose(config: Config, task, steps: int = 30) -> Report:
     """
     if steps < bottleneck.MIN_STEPS:
         raise GpuparError(f"diagnose_steps={steps}: judging needs at least {bottleneck.MIN_STEPS} timed steps")
-    if run_mode(config) != SYNCHRONOUS:
-        raise GpuparError(f"gpupar diagnose times data-parallel steps; strategy={config.strategy} has steps of its "
-                          "own (use auto, one_device, mirrored or central_storage)")
-    engine = build_engine(config, task)
+    mode = modes.checked(config)
+    if mode.name != "synchronous":
+        raise GpuparError(f"gpupar diagnose times data-parallel steps; strategy={config.distribution.strategy} has "
+                          "steps of its own (use auto, one_device, mirrored or central_storage)")
+    engine = build_engine(config, task, mode)
 
     # The step alone first, while no pipeline is running; the batch's own pipeline ends after it.
-    one_batch = _OneBatch(next(engine.make_input(0, limit=1)))
+    one_batch = _OneBatch(next(engine.start(0, limit=1)))
     step_seconds, _ = _best(lambda n: engine.run_calls(one_batch, n), steps)
 
-    pipeline = engine.make_input(0, limit=WARM_UP_STEPS + ROUNDS * steps)  # stops once measured
+    pipeline = engine.start(0, limit=WARM_UP_STEPS + ROUNDS * steps)  # stops once measured
     input_seconds, _ = _best(lambda n: _pull(pipeline, tf.constant(n)).numpy(), steps)
 
-    together = engine.make_input(0)
+    together = engine.start(0)
     engine.run_calls(together, WARM_UP_STEPS, first_call=True)
     together_seconds, measured = _best(lambda n: engine.run_calls(together, n), steps, warm_up=False)
     wait = InputWait(measured.waited, measured.busy, measured.steps)
@@ -178,7 +180,8 @@ def diagnose(config: Config, task, steps: int = 30) -> Report:
         strategy=engine.description.split(";")[0], global_batch=engine.global_batch, steps=steps,
         input_examples_per_second=rates[0], step_examples_per_second=rates[1], together_examples_per_second=rates[2],
         input_wait_fraction=wait.fraction, input_bound=input_bound, bound_by=bound_by,
-        recommendations=tuple(bottleneck.likely_causes(config, rates[0], rates[1]) if input_bound
+        recommendations=tuple(bottleneck.likely_causes(config.input, task.train.input_bound_hints(), rates[0], rates[1])
+                              if input_bound
                               else ["training is bound by the step: the input pipeline needs no change"]),
         notes=(VIRTUAL_CPU_NOTE,) if virtual_cpus else (),
     )

@@ -13,13 +13,23 @@ TensorFlow's executor starts each op as soon as its inputs are ready: stage k's 
 micro-batch i+1 does not depend on stage k+1's work on micro-batch i, and the two can overlap.
 """
 
+import logging
+
 import numpy as np
 import tensorflow as tf
 
-from gpupar.models.staged import chain_layers
-from gpupar.runtime.stages import StagePlan
-from gpupar.runtime.strategy import short_name
-from gpupar.training.steps import steps_in_one_call, unpack
+from gpupar.config import MODEL_PARALLEL
+from gpupar.errors import GpuparError
+from gpupar.models.staged import build_on_stages, chain_layers
+from gpupar.runtime.stages import StagePlan, plan_stages, stage_of_layers
+from gpupar.runtime.strategy import detected_plan, short_name
+from gpupar.runtime.teardown import keep_for_process
+from gpupar.training.engine import Placement, no_evaluation
+from gpupar.training.inner_loop import steps_in_one_call, timed_loop_iterations, unpack
+from gpupar.training.modes.mode import Mode, refuse_own_step, timed_calls
+from gpupar.training.step import make_evaluation
+
+log = logging.getLogger("gpupar")
 
 ZERO = tf.UnconnectedGradients.ZERO
 
@@ -35,7 +45,7 @@ def pieces(x, n):
     return [x[bounds[i]:bounds[i + 1]] for i in range(n)]
 
 
-class Pipeline:
+class Stages:
     """The layers of a chain model grouped into stages and run on a StagePlan's devices.
 
     Micro-batch i of replica r is piece r * microbatches + i of the batch; its stage k runs on
@@ -170,24 +180,90 @@ class Pipeline:
                 [tf.add_n(list(s)) for s in zip(*states)])
 
 
-def make_train_function(pipeline: Pipeline, optimizer, parallel_iterations: int = 1):
+def make_train_function(stages: Stages, optimizer, parallel_iterations: int = 1):
     """Returns train(iterator, num_steps, skip_first_wait) -> ((loss sum, metric states), input wait s, step s).
 
     One tf.function call of num_steps pipelined steps, timed as the synchronous steps are
-    (parallel_iterations: gpupar.training.steps.timed_loop_iterations).
+    (parallel_iterations: gpupar.training.inner_loop.timed_loop_iterations).
     """
 
     def batch_step(batch):
-        loss, states, grads = pipeline.gradients(batch)
+        loss, states, grads = stages.gradients(batch)
         # Keras applies each variable's update colocated with the variable: on its stage's device.
-        optimizer.apply(grads, pipeline.model.trainable_variables)
+        optimizer.apply(grads, stages.model.trainable_variables)
         return loss, states
 
-    return steps_in_one_call(batch_step, (0.0, pipeline.objective.zero_states()), timed=True,
+    return steps_in_one_call(batch_step, (0.0, stages.objective.zero_states()), timed=True,
                              parallel_iterations=parallel_iterations)
 
 
-def make_evaluate_function(pipeline: Pipeline):
+def make_evaluate_function(stages: Stages):
     """Returns evaluate(iterator, num_steps) -> (loss numerators, denominators, metric states), as the steps'."""
-    terms = np.zeros(len(pipeline.objective.losses), np.float32)
-    return steps_in_one_call(pipeline.evaluate, (terms, terms, pipeline.objective.zero_states()))
+    terms = np.zeros(len(stages.objective.losses), np.float32)
+    return steps_in_one_call(stages.evaluate, (terms, terms, stages.objective.zero_states()))
+
+
+class ModelParallel(Mode):
+    """strategy=model_parallel: a chain model's stages on consecutive devices, each batch pipelined as micro-batches."""
+
+    name = MODEL_PARALLEL
+
+    def selected(self, distribution, cluster) -> bool:
+        return distribution.strategy == MODEL_PARALLEL
+
+    def refuse_elsewhere(self, distribution):
+        if distribution.microbatches != 1:
+            raise GpuparError(f"microbatches={distribution.microbatches} pipelines the stages of "
+                              "strategy=model_parallel; pass strategy=model_parallel, or microbatches=1")
+        if distribution.stages is not None:
+            raise GpuparError(f"stages={','.join(map(str, distribution.stages))} splits a model for "
+                              "strategy=model_parallel; pass strategy=model_parallel, or no stages")
+
+    def refuse(self, config):
+        refuse_own_step(config, MODEL_PARALLEL, pipelined=True)
+        batch, microbatches = config.input.batch_size, config.distribution.microbatches
+        if batch % microbatches:
+            raise GpuparError(f"batch_size={batch} does not split into microbatches={microbatches} equal micro-batches; "
+                              "choose a batch_size that is a multiple of microbatches")
+
+    def refuse_task(self, task, config):
+        for adapter in (task.train, task.evaluation):
+            if adapter is not None and adapter.per_replica_batches:
+                raise GpuparError(f"{adapter.role} is {adapter.form}, which gives per-replica batches; "
+                                  "strategy=model_parallel splits each global batch itself: give arrays, a dataset or "
+                                  "a TFDS name")
+        if config.distribution.stages is None:
+            raise GpuparError("strategy=model_parallel needs stages: the layers after which a new stage starts, by name "
+                              "or index, e.g. stages=('conv_out',) for two stages")
+
+    def place(self, config, cluster) -> Placement:
+        distribution = config.distribution
+        devices = detected_plan("auto", distribution.devices, max_cpus=config.device_setup.virtual_cpus or 1).devices
+        plan = plan_stages(devices, len(distribution.stages) + 1)
+        description = (f"{plan.describe()}; {distribution.microbatches} micro-batch(es) of "
+                       f"{config.input.batch_size // distribution.microbatches} per replica")
+        # Each stage places its variables itself (tf.device): the default strategy's scope.
+        return Placement(description, tf.distribute.get_strategy(), plan.num_replicas, plan.num_replicas, devices,
+                         stage_devices=plan.variable_devices, stage_ends=distribution.stages, plan=plan)
+
+    def build_model(self, build, placement, sample):
+        return build_on_stages(build, placement.stage_ends, placement.stage_devices)[0]
+
+    def build(self, prepared):
+        placement, model = prepared.placement, prepared.model
+        layers = chain_layers(model)
+        stage_of = stage_of_layers([layer.name for layer in layers], placement.stage_ends)
+        stages = Stages(model, stage_of, placement.plan, prepared.objective, prepared.distribution.microbatches)
+        for line in stages.describe():
+            log.info(line)
+        run_steps = timed_calls(make_train_function(stages, prepared.optimizer, timed_loop_iterations(placement.on_gpus)))
+
+        def make_input(first_step, limit=None):
+            return iter(prepared.train.batches(prepared.global_batch, first_step, limit))
+
+        evaluate = no_evaluation
+        if prepared.evaluation is not None:
+            dataset, steps = prepared.evaluation.evaluation(prepared.global_batch)
+            evaluate = make_evaluation(make_evaluate_function(stages), keep_for_process(iter(dataset)), steps,
+                                       prepared.objective, model)
+        return prepared.engine(make_input, run_steps, evaluate)

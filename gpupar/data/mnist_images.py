@@ -34,7 +34,7 @@ def normalise(images, labels):
 
 
 def host_augmentation(seed: int):
-    """The per-example host transform (gpupar.data.pipeline.train_dataset) that normalises and warps an image."""
+    """The per-example host transform (gpupar.data.array_pipeline.train_dataset) that normalises and warps an image."""
 
     def transform(example, pass_number, position):
         image, label = normalise(*example)

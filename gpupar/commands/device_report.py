@@ -82,12 +82,13 @@ def collect_report(config) -> dict:
     from gpupar.runtime.devices import configure_devices, gpu_memory
     from gpupar.runtime.strategy import detected_plan
 
-    device_plan = configure_devices(config)
+    device_plan = configure_devices(config.device_setup)
     physical = [(d.name, d.device_type) for d in tf.config.list_physical_devices()]
     gpus = tf.config.list_physical_devices("GPU")
     details = [tf.config.experimental.get_device_details(g) for g in gpus]
     logical = [(d.name, d.device_type) for d in tf.config.list_logical_devices()]
-    plan = detected_plan("auto", config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1)
+    plan = detected_plan("auto", config.distribution.devices, config.distribution.cross_device_ops,
+                         max_cpus=config.device_setup.virtual_cpus or 1)
     versions = {"tensorflow": tf.__version__, "keras": keras.__version__, "built_with_cuda": tf.test.is_built_with_cuda()}
     return build_report(physical, logical, details, gpu_memory(len(gpus))[0], device_plan.visible_gpus, plan,
                         versions, device_plan.ignored)

@@ -223,11 +223,12 @@ def run_checks(config) -> List[Check]:
 
     nvml = installed_nvml()
     before = read_gpus(nvml) if nvml else []
-    devices = configure_devices(config)
+    devices = configure_devices(config.device_setup)
     memory_setting = devices.memory_growth or devices.memory_limits_mb is not None
     reasons = plan_checks(len(tf.config.list_physical_devices("GPU")), nvml is not None, memory_setting, len(before))
     context = {"nvml": nvml, "before": before, "devices": devices,
-               "plan": detected_plan("auto", config.devices, config.cross_device_ops, max_cpus=config.virtual_cpus or 1)}
+               "plan": detected_plan("auto", config.distribution.devices, config.distribution.cross_device_ops,
+                         max_cpus=config.device_setup.virtual_cpus or 1)}
     return [_guarded(name, _RUN[name], context) if reasons[name] is None else Check(name, NOT_RUN, "", reasons[name])
             for name in CHECKS]
 

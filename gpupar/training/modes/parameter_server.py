@@ -25,11 +25,16 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from gpupar.errors import GpuparError
 from gpupar.runtime.cluster import Cluster
 from gpupar.runtime.devices import configure_devices
 from gpupar.runtime.network import warn_if_reachable
-from gpupar.runtime.strategy import plan_strategy
-from gpupar.training.steps import Results, steps_in_one_call, unpack
+from gpupar.runtime.strategy import SHARD_BYTES, build_strategy, detected_plan, max_shards, plan_strategy
+from gpupar.runtime.teardown import keep_for_process
+from gpupar.training.engine import Placement, no_evaluation
+from gpupar.training.inner_loop import Results, steps_in_one_call, unpack
+from gpupar.training.modes.mode import Mode, refuse_own_step
+from gpupar.training.step import make_evaluate_function, make_evaluation
 
 log = logging.getLogger("gpupar")
 IN_FLIGHT_PER_WORKER = 2  # scheduled calls not yet fetched, per worker: enough to keep each busy
@@ -69,8 +74,10 @@ def _server_config(settings: dict):
 
 def serve(config, cluster: Cluster):
     """Runs this task's tf.distribute.Server until the process is stopped (it never returns)."""
-    plan = plan_strategy(config.strategy, [], ["/cpu:0"], cross_device_ops=config.cross_device_ops, cluster=cluster)
-    devices = configure_devices(config)
+    distribution = config.distribution
+    plan = plan_strategy(distribution.strategy, [], ["/cpu:0"], cross_device_ops=distribution.cross_device_ops,
+                         cluster=cluster)
+    devices = configure_devices(config.device_setup)
     settings = server_settings(cluster.task_type, devices)
     log.info("%s serving on %s until stopped, in %s; GPUs: %s", cluster.task_name,
              cluster.jobs[cluster.task_type][cluster.task_index], plan.describe(),
@@ -220,3 +227,80 @@ def _fetch(coordinator, remote):
                     type(e).__name__)
         coordinator.join()
         return remote.fetch()
+
+
+class ParameterServer(Mode):
+    """strategy=parameter_server (or auto in a cluster with ps tasks): workers that update on their own."""
+
+    name = "parameter_server"
+
+    def selected(self, distribution, cluster) -> bool:
+        return distribution.strategy == "parameter_server" or (cluster is not None and bool(cluster.num_ps))
+
+    def refuse_elsewhere(self, distribution):
+        if distribution.ps_shards is not None:
+            raise GpuparError(f"ps_shards={distribution.ps_shards} splits variables over the ps tasks of "
+                              "strategy=parameter_server; drop it, or train with parameter servers")
+
+    def refuse(self, config):
+        refuse_own_step(config, "parameter_server")
+        for option in ("profile_steps", "checkpoint_every_steps"):
+            if getattr(config.loop, option) is not None:
+                raise GpuparError(f"{option} is not available with strategy=parameter_server (it saves after each "
+                                  "epoch and on a signal); drop it")
+
+    def refuse_task(self, task, config):
+        if not task.train.per_worker:
+            raise GpuparError(f"strategy=parameter_server needs train_data as a dataset_fn(input_context), not "
+                              f"{task.train.form}: each worker makes its own input pipeline with it (arrays or a "
+                              "dataset made here would be copied into every worker's graph)")
+
+    def serves(self, cluster) -> bool:
+        return cluster is not None and cluster.task_type != "chief"
+
+    def serve(self, config, cluster):
+        serve(config, cluster)
+
+    def place(self, config, cluster) -> Placement:
+        distribution = config.distribution
+        plan = detected_plan(distribution.strategy, distribution.devices, distribution.cross_device_ops,
+                             cluster=cluster)
+        strategy = build_strategy(plan, distribution.ps_shards)
+        shards = max_shards(plan.cluster.num_ps, distribution.ps_shards)
+        log.info("variables: on %d ps task(s); %s", plan.cluster.num_ps,
+                 f"those of {SHARD_BYTES // 1024} KiB or more split into up to {shards} shards" if shards > 1
+                 else "each one whole")
+        # Each step trains one worker's batch, on its own.
+        return Placement(plan.describe(), strategy, plan.num_replicas, 1, plan.devices, plan=plan)
+
+    def updated_variables(self, model):
+        return update_variables(model)
+
+    def build(self, prepared):
+        """The chief schedules steps onto the workers, which update the variables on the ps tasks; it evaluates."""
+        placement, model, objective = prepared.placement, prepared.model, prepared.objective
+        strategy, num_workers, global_batch = placement.strategy, placement.replicas, prepared.global_batch
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        scheduler = Scheduler(coordinator, make_worker_step(strategy, model, prepared.update_optimizer, objective,
+                                                            prepared.updated_variables), num_workers)
+
+        def make_input(first_step, limit=None):
+            if prepared.train.per_replica_batches and first_step:
+                log.info("resume: each worker's pipeline skips %d batches, its share of the %d steps already trained "
+                         "(which worker trained which is not recorded)", first_step // num_workers, first_step)
+
+            def worker_dataset(context):
+                return prepared.train.worker_batches(context, global_batch, first_step, limit, num_workers)
+
+            return iter(coordinator.create_per_worker_dataset(
+                tf.function(lambda: strategy.distribute_datasets_from_function(worker_dataset))))
+
+        evaluate = no_evaluation
+        if prepared.evaluation is not None:
+            log.info("evaluation: on the chief, reading the variables from the ps tasks")
+            dataset, steps = prepared.evaluation.evaluation(global_batch)
+            evaluate = make_evaluation(make_evaluate_function(None, model, objective), keep_for_process(iter(dataset)),
+                                       steps, objective, model)
+        # Unless told otherwise, a call per step: an epoch spreads evenly over the workers.
+        return prepared.engine(make_input, lambda iterator, num_steps, first_call: scheduler.schedule(iterator, num_steps),
+                               evaluate, finish=scheduler.finish, steps_per_call=prepared.loop.steps_per_call or 1)

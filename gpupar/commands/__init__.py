@@ -1,0 +1,1 @@
+"""The commands above training: `gpupar diagnose`, `gpupar devices [--check]` and `gpupar plot`."""

@@ -1,0 +1,99 @@
+"""What every input form offers the modes: its checks, its length, its batches and how they are distributed.
+
+One adapter class per form (arrays, a tf.data.Dataset, a dataset_fn, a TFDS name, the MNIST
+presets' arrays), as Keras keeps one per form behind `get_data_adapter`. The engine and the
+modes ask an adapter for batches and never which form it is.
+"""
+
+from typing import List, Optional, Tuple
+
+from gpupar.errors import GpuparError
+
+
+class DataAdapter:
+    """One data set of a run, in one form.
+
+    An adapter is made from what the user gave with the checks that need no TensorFlow (a
+    parameter-server run refuses a form before it joins its cluster); `prepare` does the rest
+    once the strategy exists, since TensorFlow must not run before a multi-worker strategy does.
+
+    Attributes:
+      form: What the data are, as errors name them ("a tuple", "a dataset_fn", ...).
+      per_worker: Whether each parameter-server worker can make its own pipeline from the data.
+      per_replica_batches: Whether the form gives per-replica batches of its own (a dataset_fn)
+        rather than examples that gpupar batches by the global batch.
+      resume_note: What resuming mid-epoch does with this form; None where it replays exactly.
+      device_transform: device_transform(x, step), applied to each replica's inputs at the start
+        of the train step (the MNIST preset's augmentation), or None.
+      description: How the log names the data (set by prepare).
+    """
+
+    per_worker = False
+    per_replica_batches = False
+    resume_note: Optional[str] = ("the data are not gpupar's arrays, so resuming mid-epoch skips the batches already "
+                                  "trained: the same batches only if the data come in the same order on every run "
+                                  "(e.g. a shuffle with a fixed seed)")
+    device_transform = None
+
+    def __init__(self, data, role: str):
+        self.data, self.role = data, role
+        self.form = f"a {type(data).__name__}"
+        self.description = self.form
+        self.options, self.seed = None, 0
+
+    @classmethod
+    def takes(cls, data) -> bool:
+        """Whether `data` is of this form."""
+        raise NotImplementedError
+
+    def prepare(self, input_options, seed: int):
+        """The checks and counts that need TensorFlow; `input_options` and `seed` shape the pipelines."""
+        self.options, self.seed = input_options, seed
+
+    def sample(self, count: int = 4):
+        """The first `count` examples as a batch of NumPy arrays (as the model sees them), for the checks before training."""
+        raise NotImplementedError
+
+    def labels(self):
+        """Every label where they are in memory (for the range check of a sparse loss), else None."""
+        return None
+
+    def steps_per_epoch(self, global_batch: int, batches_per_step: int = 1) -> Optional[int]:
+        """Whole steps in one pass (None for an endless or unknown-length data set).
+
+        batches_per_step: per-replica batches one input pipeline gives a step (a dataset_fn's).
+        """
+        raise NotImplementedError
+
+    def batches(self, global_batch: int, first_step: int = 0, limit: Optional[int] = None):
+        """Endless global batches from global step first_step (at most `limit` of them)."""
+        raise NotImplementedError
+
+    def distribute(self, strategy, global_batch: int, first_step: int, limit: Optional[int], per_pipeline: int):
+        """The batches from first_step, distributed over the strategy's replicas (per_pipeline replicas per pipeline)."""
+        return strategy.experimental_distribute_dataset(self.batches(global_batch, first_step, limit))
+
+    def worker_batches(self, context, global_batch: int, first_step: int, limit: Optional[int], num_workers: int):
+        """One parameter-server worker's batches, from the global step first_step (per_worker forms only)."""
+        raise GpuparError(f"{self.role} is {self.form}; each parameter-server worker needs a pipeline of its own")
+
+    def evaluation(self, global_batch: int) -> Tuple[object, int]:
+        """(the whole set in global batches, the last partial one included, repeated; batches in one pass)."""
+        raise NotImplementedError
+
+    def distribute_evaluation(self, strategy, global_batch: int, per_pipeline: int):
+        """(the evaluation batches distributed over the strategy's replicas, steps in one pass)."""
+        dataset, steps = self.evaluation(global_batch)
+        return strategy.experimental_distribute_dataset(dataset), steps
+
+    def input_bound_hints(self) -> List[str]:
+        """What in this form's pipeline may starve the step, each with its fix (the input-bound warning's)."""
+        return []
+
+
+def whole_steps(steps: Optional[int], description: str, global_batch: int) -> Optional[int]:
+    """steps, refusing a data set that holds less than one step."""
+    if steps is not None and steps < 1:
+        raise GpuparError(f"the training data ({description}) hold less than one step of {global_batch} examples; "
+                          "lower batch_size")
+    return steps

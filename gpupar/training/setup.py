@@ -1,0 +1,205 @@
+"""One run's set-up, whatever the mode: devices, placement, data, model, optimizer, objective; then the mode's builder.
+
+`build_engine` does the set-up that every mode shares, in one place, handing each part of the
+Config to the layer that reads it; the mode (gpupar.training.modes) places the replicas and
+variables before it and builds the complete Engine after it. Training (gpupar.training.run) and
+`gpupar diagnose` build the same engine, so diagnose measures the step and the pipeline that
+training would run.
+"""
+
+import logging
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from gpupar.errors import GpuparError, TensorFlowStarted
+from gpupar.models.layers import fall_back_from_xla, replica_consistent_state, xla_batch_norm_error
+from gpupar.runtime.devices import configure_devices
+from gpupar.training.engine import Engine, Prepared
+from gpupar.training.inner_loop import unpack
+from gpupar.training.objective import Objective
+
+log = logging.getLogger("gpupar")
+
+
+def build_engine(config, task, mode, cluster=None) -> Engine:
+    """Sets up a run of `task` as config says: the one set-up of every mode, then the mode's builder.
+
+    Args:
+      config: The run's options.
+      task: What to train (gpupar.training.task.Task).
+      mode: The mode (gpupar.training.modes.checked).
+      cluster: The cluster (gpupar.runtime.cluster) of a multi-worker or parameter-server run.
+
+    Returns:
+      The Engine, its input not started yet (Engine.start).
+
+    Raises:
+      GpuparError: bad devices, data, model, loss or metrics, found before any training step.
+    """
+    mode.refuse_task(task, config)
+    devices, placement = _placed(config, cluster, task, mode)
+    if config.step.precision == "mixed_float16" and not placement.on_gpus:
+        log.warning("precision=mixed_float16 without a GPU: the CPU emulates much of float16 math; "
+                    "mixed_bfloat16 is the CPU's mixed precision")
+    keras.utils.set_random_seed(config.seed)
+
+    train, evaluation = task.train, task.evaluation
+    for adapter in (train, evaluation):
+        if adapter is not None:
+            adapter.prepare(config.input, config.seed)
+    log.info("data: %s%s", train.description, f"; evaluation: {evaluation.description}" if evaluation else "")
+    if train.resume_note and config.outputs.resume is not False:
+        log.info("resume: %s", train.resume_note)
+    global_batch = config.input.batch_size * placement.replicas_per_update * config.step.accumulate_steps
+    steps_per_epoch = _steps_per_epoch(config.loop, train, global_batch, placement)
+    model, updated, inner, applied = _model_and_optimizer(config.step, task, mode, placement, train)
+    if placement.on_gpus and fall_back_from_xla(model, xla_batch_norm_error(placement.devices[0])):
+        log.warning("XLA could not compile the batch norm on %s, so it runs as Keras' BatchNormalization (the same "
+                    "variables, slower): CUDA's ptxas and libdevice are missing; pip install 'tensorflow[and-cuda]' "
+                    "brings them", placement.devices[0])
+    objective = _checked_objective(task, model, train)
+    model.optimizer = applied  # where Keras' callbacks (ReduceLROnPlateau, LearningRateScheduler) look for it
+    _log_step_options(config.step, config.input.batch_size, global_batch)
+    return mode.build(Prepared(
+        placement=placement, model=model, optimizer=inner, update_optimizer=applied, updated_variables=updated,
+        objective=objective, train=train, evaluation=evaluation, global_batch=global_batch,
+        steps_per_epoch=steps_per_epoch, distribution=config.distribution, step=config.step, loop=config.loop,
+        seed=config.seed, signature=task.signature or _signature(model),
+        learning_rate=None if task.optimizer is not None else config.step.learning_rate,
+        visible_gpus=devices.visible_gpus))
+
+
+def _placed(config, cluster, task, mode):
+    """(the DevicePlan, the mode's Placement): devices configured and the strategy made, both logged.
+
+    Raises:
+      TensorFlowStarted: TensorFlow ran before it could be set up, naming what in the task started it.
+    """
+    try:
+        devices = configure_devices(config.device_setup)
+        placement = mode.place(config, cluster)
+    except TensorFlowStarted as e:
+        if not task.early_start:
+            raise
+        raise TensorFlowStarted(f"{e}. Here TensorFlow was started by {task.early_start}") from None
+    if devices.intra_op_threads or devices.inter_op_threads:
+        log.info("threads: %s per op, %s ops at once",
+                 *(n or "TensorFlow's default" for n in (devices.intra_op_threads, devices.inter_op_threads)))
+    log.info(placement.description)
+    return devices, placement
+
+
+def _steps_per_epoch(loop, train, global_batch: int, placement) -> int:
+    """Steps in one epoch: a pass over the training data, capped by the loop's steps_per_epoch."""
+    # A dataset_fn's per-replica batches: each input pipeline gives those of its replicas that share a step.
+    steps = train.steps_per_epoch(global_batch, placement.replicas_per_update // placement.input_pipelines)
+    if loop.steps_per_epoch is not None:
+        steps = min(steps or loop.steps_per_epoch, loop.steps_per_epoch)
+    if steps is None:
+        raise GpuparError(f"the training data ({train.description}) have no known length, so an epoch has none; "
+                          "pass steps_per_epoch")
+    return steps
+
+
+def _model_and_optimizer(step, task, mode, placement, train):
+    """(model, variables updated, optimizer, optimizer that applies updates).
+
+    Both are made under the placement's scope, the model's layers in the run's dtype policy.
+    """
+    previous_policy = keras.config.dtype_policy()
+    if step.precision != "float32":
+        keras.config.set_dtype_policy(step.precision)  # the user's layers compute in 16 bits, weights stay float32
+    try:
+        with placement.strategy.scope():
+            with replica_consistent_state():  # the model's state only: the optimizer's keeps Keras' aggregation
+                model = mode.build_model(task.build_model, placement, train.sample())
+            updated, split = mode.updated_variables(model)
+            inner = _optimizer(task.optimizer, step.learning_rate)
+            applied = _loss_scaled(inner, step)
+            applied.build(updated)  # each slot variable is placed beside its variable
+    finally:
+        keras.config.set_dtype_policy(previous_policy)
+    for line in split:
+        log.info("variable %s", line)
+    return model, updated, inner, applied
+
+
+def _log_step_options(step, batch_size: int, global_batch: int):
+    """One line for each option that changes the step: accumulation, precision and XLA."""
+    if step.accumulate_steps > 1:
+        log.info("accumulation: each update adds the gradients of %d batches of %d per replica, one after another, "
+                 "then all-reduces once: one step on a global batch of %d", step.accumulate_steps, batch_size,
+                 global_batch)
+    if step.precision != "float32" or step.jit_compile:
+        log.info("step: %s%s", step.precision, ", compiled with XLA" if step.jit_compile else "")
+
+
+def _optimizer(given, learning_rate: float):
+    """The optimizer to train with, made under the strategy's scope (Keras' optimizers must be)."""
+    if given is None:
+        return keras.optimizers.Adam(learning_rate)
+    if isinstance(given, str):
+        try:
+            made = keras.optimizers.get(given)
+        except ValueError:
+            raise GpuparError(f"optimizer={given!r} is not a Keras optimizer name; use one such as 'adam' or 'sgd', or "
+                              "pass a keras.optimizers.Optimizer") from None
+    elif callable(given) and not isinstance(given, keras.optimizers.Optimizer):
+        made = given()  # a function that makes it: called here, under the strategy's scope
+        if not isinstance(made, keras.optimizers.Optimizer):
+            raise GpuparError(f"the optimizer function returned a {type(made).__name__}, not a "
+                              "keras.optimizers.Optimizer")
+    elif given.built:
+        raise GpuparError("the optimizer has been used already (it has variables); pass a new one: gpupar makes it "
+                          "again under the strategy's scope from its config")
+    else:
+        made = given.__class__.from_config(given.get_config())
+    if made.gradient_accumulation_steps:
+        raise GpuparError(f"the optimizer has gradient_accumulation_steps={made.gradient_accumulation_steps}, Keras' "
+                          "own accumulation, which gpupar does not run under a strategy; pass accumulate_steps="
+                          f"{made.gradient_accumulation_steps} to gpupar instead (it adds up the batches' gradients in "
+                          "the step, then all-reduces them once)")
+    return made
+
+
+def _loss_scaled(inner, step):
+    if step.precision == "mixed_float16":  # scales the loss so float16 gradients neither vanish nor overflow
+        return keras.optimizers.LossScaleOptimizer(inner)
+    if step.nan_policy == "skip":
+        # Keras' loss-scale optimizer is what skips non-finite steps. Its scale starts at 1, halves
+        # on a skipped step (the engine puts it back to 1 after every call) and never grows; powers
+        # of two scale float32 exactly.
+        return keras.optimizers.LossScaleOptimizer(inner, initial_scale=1.0, dynamic_growth_steps=2**31 - 1)
+    return inner
+
+
+def _signature(model) -> dict:
+    """What a checkpoint records of a model it did not get a preset's options for (Keras numbers its names)."""
+    return {"model": type(model).__name__, "variables": len(model.weights), "parameters": int(model.count_params())}
+
+
+def _checked_objective(task, model, train):
+    """The Objective for the model's outputs, after the checks that need the model and one batch.
+
+    Raises:
+      GpuparError: labels outside the model's output range, a loss of one scalar per batch, a
+        metric whose state does not add up, names that do not fit the outputs.
+    """
+    x, y, sample_weight = unpack(tuple(train.sample()))
+    y_pred = tf.nest.map_structure(lambda t: np.asarray(t, np.float32), model(x, training=False))
+    objective = Objective(task.loss, task.metrics, y, y_pred, getattr(model, "output_names", None))
+    all_labels = train.labels()
+    all_labels = y if all_labels is None else all_labels  # every label where they are in memory
+    for term in objective.losses:
+        if term.sparse:
+            labels = np.asarray(all_labels if term.key is None else all_labels[term.key])
+            classes = (y_pred if term.key is None else y_pred[term.key]).shape[-1]
+            if labels.size and (labels.min() < 0 or labels.max() >= classes):
+                raise GpuparError(f"the labels reach {labels.min()}..{labels.max()}, but the model has {classes} "
+                                  f"outputs (classes 0..{classes - 1}); fix the labels or the model's last layer")
+    objective.terms(y, y_pred, sample_weight)  # refuses a loss of one scalar per batch
+    objective.check_additive(y, y_pred, sample_weight)
+    objective.reset()
+    return objective
