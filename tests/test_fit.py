@@ -259,6 +259,33 @@ def test_resume_mid_epoch_on_arrays_ends_with_the_uninterrupted_weights(tmp_path
     assert _difference(straight, resumed) < 1e-6
 
 
+def _with_dropout():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="tanh"),
+                             keras.layers.Dropout(0.5, seed=2), keras.layers.Dense(4)])
+
+
+def _resumed_with_dropout(tmp_path, name):
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    options = dict(loss=loss, epochs=2, steps_per_epoch=None)
+    model_dir = str(tmp_path / name)
+    _fit(_with_dropout, _data(), 2, save=True, model_dir=model_dir, checkpoint_every_steps=3, **{**options, "epochs": 1})
+    return _fit(_with_dropout, _data(), 2, save=True, model_dir=model_dir,
+                resume=os.path.join(model_dir, "within_epoch", "step-6"), **options), _fit(_with_dropout, _data(), 2,
+                                                                                            **options)
+
+
+def test_keras_dropout_resumes_mid_epoch_with_the_masks_of_an_uninterrupted_run(tmp_path, monkeypatch):
+    resumed, straight = _resumed_with_dropout(tmp_path, "run")
+    assert _difference(straight, resumed) < 1e-6
+    # Control: without the SeedGenerators' states in the checkpoint, the resumed run draws other masks.
+    from gpupar.training import checkpoint
+
+    monkeypatch.setattr(checkpoint, "random_state", lambda model: [])
+    resumed, straight = _resumed_with_dropout(tmp_path, "control")
+    assert _difference(straight, resumed) > 1e-3
+
+
 def test_a_subclassed_multi_output_model_with_dicts():
     class TwoHeads(keras.Model):
         def __init__(self):

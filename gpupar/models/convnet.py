@@ -4,7 +4,7 @@ from typing import Optional
 
 import keras
 
-from gpupar.models.layers import ReplicaDropout, XlaBatchNormalization, replica_consistent_state
+from gpupar.models.layers import XlaBatchNormalization, replica_consistent_state
 
 NUM_CLASSES = 10
 DROPOUT, L2, BN_MOMENTUM = 0.5, 5e-4, 0.9  # build_convnet's defaults
@@ -21,7 +21,7 @@ def build_convnet(dropout: float = DROPOUT, sync_batch_norm: bool = False, l2: f
     BatchNormalization (same variables and results, slower on a CPU).
 
     Args:
-      dropout: Dropout rate before the last layer (gpupar's ReplicaDropout: a mask per replica).
+      dropout: Dropout rate before the last layer (Keras' Dropout: gpupar's step draws a mask per replica).
       sync_batch_norm: Batch statistics over the global batch rather than each replica's.
       l2: Weight penalty of the convolution and dense kernels.
       seed: Seed of the initial weights and of the dropout masks.
@@ -60,7 +60,7 @@ def build_convnet(dropout: float = DROPOUT, sync_batch_norm: bool = False, l2: f
         ),
         batch_norm(),
         keras.layers.ReLU(dtype=dtype),
-        ReplicaDropout(dropout, seed=seed, dtype=dtype),
+        keras.layers.Dropout(dropout, seed=seed, dtype=dtype),
         keras.layers.Dense(NUM_CLASSES, kernel_initializer=init(), kernel_regularizer=keras.regularizers.L2(l2),
                            dtype=dtype),
     ]

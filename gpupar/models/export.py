@@ -1,11 +1,10 @@
-"""Saving a trained model as a .keras file that Keras alone loads: gpupar's layers become Keras' own.
+"""Saving a trained model as a .keras file that Keras alone loads: gpupar's layer becomes Keras' own.
 
-XlaBatchNormalization is keras.layers.BatchNormalization with a faster training step, and
-ReplicaDropout is keras.layers.Dropout with per-replica masks: at inference both are the Keras
-layer. A Sequential or functional model is cloned with them swapped (the same weights, the same
+XlaBatchNormalization is keras.layers.BatchNormalization with a faster training step: at
+inference it is the Keras layer. A Sequential or functional model is cloned with them swapped (the same weights, the same
 predictions), so `keras.models.load_model` reads the file in a process that never imports gpupar.
-A subclassed model is saved as it is; if it holds gpupar's layers, `import gpupar.models.layers`
-before loading it (they are registered under the package name "gpupar").
+A subclassed model is saved as it is; if it holds gpupar's layer, `import gpupar.models.layers`
+before loading it (it is registered under the package name "gpupar").
 """
 
 import os
@@ -13,29 +12,24 @@ import os
 import keras
 
 from gpupar.errors import GpuparError
-from gpupar.models.layers import ReplicaDropout, XlaBatchNormalization
+from gpupar.models.layers import XlaBatchNormalization
 
 
 def _keras_layer(layer):
     """The Keras layer a gpupar layer stands for at inference, or a plain clone of any other layer."""
     if isinstance(layer, XlaBatchNormalization):
         return keras.layers.BatchNormalization.from_config(layer.get_config())
-    if isinstance(layer, ReplicaDropout):
-        config = layer.get_config()
-        return keras.layers.Dropout(config["rate"], noise_shape=config["noise_shape"], seed=config["seed"],
-                                    name=config["name"], dtype=config["dtype"])
     return layer.__class__.from_config(layer.get_config())
 
 
 def keras_only(model):
     """The model with gpupar's layers swapped for Keras' (the model itself where it cannot be cloned)."""
-    gpupar_layers = [layer for layer in model._flatten_layers() if isinstance(layer, (XlaBatchNormalization,
-                                                                                         ReplicaDropout))]
+    gpupar_layers = [layer for layer in model._flatten_layers() if isinstance(layer, XlaBatchNormalization)]
     if not gpupar_layers or not (isinstance(model, keras.Sequential) or getattr(model, "_is_graph_network", False)):
         return model
     clone = keras.models.clone_model(model, clone_function=_keras_layer)
     for old, new in zip(model.layers, clone.layers):
-        new.set_weights(old.get_weights()[:len(new.weights)])  # ReplicaDropout's call counter has no Keras twin
+        new.set_weights(old.get_weights())
     return clone
 
 

@@ -14,7 +14,7 @@ def replica_consistent_state():
     Keras creates them with aggregation NONE: under MirroredStrategy each replica would keep its
     own diverging copy, and CentralStorageStrategy refuses to update them at all. Float ones
     (batch-norm moving statistics) average across replicas; others (counters that advance alike on
-    every replica, such as ReplicaDropout's) take the first replica's value.
+    every replica, such as the state of Keras' SeedGenerators) take the first replica's value.
     """
 
     def creator(next_creator, **kwargs):
@@ -79,59 +79,6 @@ def replica_seeds():
         yield
     finally:
         _REPLICA_SEEDS.depth -= 1
-
-
-@keras.saving.register_keras_serializable(package="gpupar")
-class ReplicaDropout(keras.layers.Layer):
-    """keras.layers.Dropout, but with a different mask on every replica and masks that a checkpoint carries.
-
-    The mask comes from (seed, call count, replica id) through stateless random ops; the call
-    count is a variable, so checkpoints carry it and a resumed run draws the masks an
-    uninterrupted one would. The same arguments as Keras' Dropout.
-
-    Args:
-      rate: Fraction of the units to drop, in [0, 1).
-      noise_shape: The shape of the mask (1 where it is broadcast), as Keras' Dropout's; None for the inputs'.
-      seed: Seed of the masks.
-    """
-
-    def __init__(self, rate, noise_shape=None, seed=0, **kwargs):
-        super().__init__(**kwargs)
-        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate < 1:
-            raise ValueError(f"Invalid value received for argument `rate`. Expected a float value between 0 and 1 "
-                             f"(1 excluded). Received: rate={rate}")
-        if noise_shape is not None and not isinstance(noise_shape, (list, tuple)):
-            raise ValueError(f"Invalid value received for argument `noise_shape`. Expected a tuple or list. "
-                             f"Received: noise_shape={noise_shape}")
-        self.rate, self.seed = float(rate), int(seed or 0)
-        self.noise_shape = None if noise_shape is None else tuple(noise_shape)
-        self.supports_masking = True
-
-    def build(self, input_shape):
-        self.calls = self.add_weight(shape=(), dtype="int64", initializer="zeros", trainable=False, name="calls")
-
-    def _mask_shape(self, inputs):
-        shape = tf.shape(inputs)
-        if self.noise_shape is None:
-            return shape
-        return tf.stack([shape[i] if d is None else d for i, d in enumerate(self.noise_shape)])
-
-    def call(self, inputs, training=False):
-        if not training or self.rate == 0:
-            return inputs
-        context = tf.distribute.get_replica_context()
-        replica = tf.cast(context.replica_id_in_sync_group if context else 0, tf.int64)
-        count = tf.convert_to_tensor(self.calls)
-        self.calls.assign_add(1)
-        seed = tf.stack([tf.constant(self.seed, tf.int64) * 1_000_003 + count, replica])
-        keep = tf.random.stateless_uniform(self._mask_shape(inputs), seed=seed) >= self.rate
-        return tf.where(keep, inputs / (1.0 - self.rate), tf.zeros_like(inputs))
-
-    def compute_output_shape(self, input_shape):
-        return input_shape
-
-    def get_config(self):
-        return {**super().get_config(), "rate": self.rate, "noise_shape": self.noise_shape, "seed": self.seed}
 
 
 @tf.function(jit_compile=True)

@@ -68,7 +68,7 @@ class Checkpoints:
         self.run_global_batch = global_batch
         self.checkpoint = tf.train.Checkpoint(
             model=model, optimizer=optimizer, epoch=self.epoch, step=self.step, global_batch=self.global_batch,
-            epoch_totals=self.totals, loss_scale=self.loss_scale,
+            epoch_totals=self.totals, loss_scale=self.loss_scale, random_state=random_state(model),
             model_signature=tf.Variable(json.dumps(self.signature, sort_keys=True), dtype=tf.string, trainable=False),
         )
         self.model_dir, self.saving = model_dir, save
@@ -175,6 +175,12 @@ class Checkpoints:
     def save_step(self, position: Position, global_step: int) -> Optional[str]:
         """Writes a within-epoch checkpoint at `position` (its totals included); returns its path."""
         return self._save(self.steps, global_step, position)
+
+
+def random_state(model) -> list:
+    """The model's random state: its variables that are not weights (Keras: the SeedGenerators' states)."""
+    weights = {id(w) for w in model.weights}
+    return [v for v in model.variables if id(v) not in weights]
 
 
 def describe_signature(signature: Mapping) -> str:
