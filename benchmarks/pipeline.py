@@ -37,7 +37,6 @@ from gpupar.models import convnet, lstm  # noqa: E402
 from gpupar.models.staged import build_on_stages  # noqa: E402
 from gpupar.runtime.devices import configure_devices  # noqa: E402
 from gpupar.runtime.stages import StagePlan, plan_stages  # noqa: E402
-from gpupar.runtime.teardown import keep_for_process  # noqa: E402
 from gpupar.training.objective import Objective  # noqa: E402
 from gpupar.presets.mnist import LOSS, METRICS  # noqa: E402
 from gpupar.training.modes.model_parallel import Stages, make_train_function  # noqa: E402
@@ -96,7 +95,7 @@ def configurations(splits, batch_size, lstm_units, names=MODELS):
                                 (f"{stages} devices", plan_stages(devices[:stages], stages))):
             for microbatches in MICROBATCHES:
                 train = pipelined(build, ends, plan, microbatches, _sample(splits))
-                iterator = keep_for_process(iter(dataset))
+                iterator = iter(dataset)
 
                 def run(steps, train=train, iterator=iterator):
                     float(train(iterator, tf.constant(steps))[0][0])  # waits for the step to finish
@@ -161,7 +160,7 @@ def schedule_probe(splits, batch_size, seconds=0.2, repeats=3):
     for placement, plan in (("1 device", StagePlan(((devices[0],) * 3,))), ("3 devices", plan_stages(devices, 3))):
         for microbatches in MICROBATCHES:
             train = pipelined(build, (2, 5), plan, microbatches, _sample(splits))
-            iterator = keep_for_process(iter(dataset))
+            iterator = iter(dataset)
             float(train(iterator, tf.constant(1))[0][0])  # tracing
             times = []
             for _ in range(repeats):

@@ -45,14 +45,14 @@ def compare(data_dir: str, epochs: int, steps_per_epoch=None) -> dict:
     from benchmarks.user_model import user_cnn, user_loss
     from gpupar.data.idx import load_idx_dir
 
-    gpupar.configure_devices(gpupar.Config(virtual_cpus=REPLICAS))
+    gpupar.configure_devices(virtual_cpus=REPLICAS)
     data = load_idx_dir(data_dir)
     train, test = (data.train_images, data.train_labels), (data.test_images, data.test_labels)
     started = time.perf_counter()
-    result = gpupar.fit(user_cnn, train, eval_data=test, loss=user_loss(), metrics=["accuracy"], strategy="mirrored",
-                        virtual_cpus=REPLICAS, batch_size=BATCH, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                        save=False, display_step=1000)
-    ours = {"val_accuracy": [r.logs["val_accuracy"] for r in result.history], "seconds": time.perf_counter() - started}
+    result = gpupar.fit(user_cnn, *train, validation_data=test, loss=user_loss(), metrics=["accuracy"],
+                        strategy="mirrored", virtual_cpus=REPLICAS, batch_size=BATCH * REPLICAS, epochs=epochs,
+                        steps_per_epoch=steps_per_epoch, save=False)
+    ours = {"val_accuracy": result.history["val_accuracy"], "seconds": time.perf_counter() - started}
 
     keras.utils.set_random_seed(0)
     strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(REPLICAS)])

@@ -89,6 +89,7 @@ def gpupar_runner(spec):
     """gpupar's engine, set up as gpupar.fit_mnist would: calls of steps_per_call steps."""
     from benchmarks.ops import op_seconds
     from benchmarks.user_model import user_cnn, user_loss
+    from gpupar.data.adapters import adapter_for
     from gpupar.data.idx import load_idx_dir
     from gpupar.presets.mnist import mnist_run
     from gpupar.presets.mnist_options import mnist_options
@@ -99,12 +100,12 @@ def gpupar_runner(spec):
     replicas, options = spec["replicas"], dict(spec["options"])
     user = options.pop("user_model", False)
     config, task = mnist_run(*mnist_options(options=dict(
-        dataset="fashion_mnist", data_dir=spec["data_dir"], batch_size=spec["batch_size"],
+        dataset="fashion_mnist", data_dir=spec["data_dir"], per_replica_batch_size=spec["batch_size"],
         virtual_cpus=replicas if replicas > 1 else None, **options)))
     if user:  # the user CNN through gpupar.fit's own path
         splits = load_idx_dir(spec["data_dir"])
-        task = user_task(user_cnn, (splits.train_images, splits.train_labels), None, user_loss(), ["accuracy"],
-                         None, ())
+        task = user_task(user_cnn, adapter_for(splits.train_images, splits.train_labels), None, user_loss(),
+                         ["accuracy"], None, ())
     engine = build_engine(config, task, modes.checked(config))
     if engine.replicas != replicas:
         raise SystemExit(f"benchmarks.workers: asked for {replicas} replicas, got {engine.description}")

@@ -34,9 +34,9 @@ def model_fn():
 
 
 result = gpupar.fit(
-    model_fn, (data.train_images, data.train_labels), eval_data=(data.test_images, data.test_labels),
+    model_fn, data.train_images, data.train_labels, validation_data=(data.test_images, data.test_labels),
     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
     strategy="mirrored", virtual_cpus=2,  # two logical CPU devices stand in for two GPUs
-    batch_size=128, epochs=1, steps_per_epoch=5 if quick else None, save=False,
+    batch_size=256, epochs=1, steps_per_epoch=5 if quick else None, save=False,  # 128 per replica
 )
 print(f"{result.strategy_description.split(';')[0]}: val_accuracy {result.logs['val_accuracy']:.4f}")

@@ -16,7 +16,7 @@ common = dict(
     strategy="one_device",
     dataset="fashion_mnist",
     data_dir="/usr/share/datasets/fashion-mnist",  # omit to download MNIST with TFDS
-    batch_size=64 if quick else 1024,
+    per_replica_batch_size=64 if quick else 1024,
     augment=True,
 )
 for placement in ("host", "device"):

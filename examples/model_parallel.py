@@ -22,7 +22,7 @@ common = dict(
     microbatches=4,
     epochs=1,
     steps_per_epoch=3 if quick else None,
-    batch_size=128 if quick else 1024,
+    per_replica_batch_size=128 if quick else 1024,
 )
 lstm = gpupar.fit_mnist(model="lstm", lstm_layers=3, devices="/cpu:0,/cpu:1,/cpu:2", **common)
 convnet = gpupar.fit_mnist(model="convnet", **common)

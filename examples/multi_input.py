@@ -37,12 +37,12 @@ def model_fn():
 
 weights = np.where(data.train_labels < 5, 2.0, 1.0).astype("float32")
 result = gpupar.fit(
-    model_fn, (inputs(data.train_images), data.train_labels, weights),
-    eval_data=(inputs(data.test_images), data.test_labels),
+    model_fn, inputs(data.train_images), data.train_labels, sample_weight=weights,
+    validation_data=(inputs(data.test_images), data.test_labels),
     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=3, name="top3")],
     callbacks=[keras.callbacks.EarlyStopping(monitor="val_loss", patience=1)],
-    strategy="mirrored", virtual_cpus=2, batch_size=128, epochs=1 if quick else 5,
+    strategy="mirrored", virtual_cpus=2, batch_size=256, epochs=1 if quick else 5,
     steps_per_epoch=5 if quick else None, save=False,
 )
 path = f"{tempfile.mkdtemp(prefix='gpupar-export-')}/model.keras"
@@ -50,4 +50,4 @@ result.save(path)
 reloaded = keras.models.load_model(path)
 sample = {name: part[:4] for name, part in inputs(data.test_images).items()}
 same = np.allclose(reloaded.predict(sample, verbose=0), result.model.predict(sample, verbose=0), atol=1e-5)
-print(f"{len(result.history)} epoch(s): {result.logs}; exported to {path}, reloaded with the same predictions: {same}")
+print(f"{len(result.epoch)} epoch(s): {result.logs}; exported to {path}, reloaded with the same predictions: {same}")

@@ -27,7 +27,7 @@ flags = [
     f"--epochs={1 if quick else 2}",
     f"--model_dir={run_dir}/model",
     f"--metrics_json={run_dir}/metrics.json",
-    *(["--steps_per_epoch=5", "--display_step=5", "--batch_size=128"] if quick else []),
+    *(["--steps_per_epoch=5", "--display_step=5", "--per_replica_batch_size=128"] if quick else []),
 ]
 status = launch(workers=2, ps=0, restarts=0, args=flags)  # in a private network namespace: see its log
 if status:

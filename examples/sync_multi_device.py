@@ -21,7 +21,7 @@ for strategy in ("mirrored", "central_storage"):
         virtual_cpus=2,  # two logical CPU devices stand in for two GPUs
         epochs=1,
         steps_per_epoch=5 if quick else None,
-        batch_size=128 if quick else 1024,  # per replica
+        per_replica_batch_size=128 if quick else 1024,
     )
     print(f"{strategy}: {result.replicas} replicas, global batch {result.global_batch}, "
           f"test accuracy {result.test_accuracy:.4f}")

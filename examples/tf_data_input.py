@@ -48,8 +48,8 @@ test = tf.data.Dataset.from_tensor_slices(((data.test_images[..., np.newaxis] / 
 result = gpupar.fit(
     lambda: keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
                               keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)]),
-    dataset, eval_data=test.take(1000 if quick else 10000),
+    dataset, validation_data=test.take(1000 if quick else 10000),
     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
-    strategy="mirrored", virtual_cpus=2, batch_size=128, epochs=1, steps_per_epoch=5 if quick else None, save=False,
+    strategy="mirrored", virtual_cpus=2, batch_size=256, epochs=1, steps_per_epoch=5 if quick else None, save=False,
 )
 print(f"tf.data input, {count} examples in {len(files)} files: val_accuracy {result.logs['val_accuracy']:.4f}")

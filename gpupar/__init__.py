@@ -71,57 +71,88 @@ def __dir__():
     return sorted({*globals(), *_LAZY})
 
 
+# model.fit's arguments that are Config fields, with Keras' defaults: given otherwise, they win over `config`.
+_FIT_OPTIONS = {"batch_size": None, "epochs": 1, "verbose": "auto", "shuffle": True, "initial_epoch": 0,
+                "steps_per_epoch": None, "validation_steps": None, "validation_batch_size": None, "validation_freq": 1}
+# Names gpupar.fit took before it took model.fit's arguments.
+_RENAMED = {"train_data": "x (and y)", "eval_data": "validation_data"}
+
+
 def _fit_config(config, options) -> Config:
-    """The Config of gpupar.fit: the options over `config`, none of them an MNIST preset's."""
+    """The Config of gpupar.fit: the options over `config`, none of them an MNIST preset's or a renamed one."""
     from gpupar.presets.mnist_options import OPTION_NAMES
 
-    given = [name for name in options if name in OPTION_NAMES]
-    if given:
-        raise GpuparError(f"{given[0]} is an option of the MNIST presets (gpupar.fit_mnist); gpupar.fit trains your "
-                          "model on your data: build those into model_fn and train_data"
-                          + (" (stop early with stop_at={'val_accuracy': ...})" if given[0] == "stop_at_accuracy"
-                             else ""))
+    for name in options:
+        if name in _RENAMED:
+            raise GpuparError(f"{name} is now {_RENAMED[name]}, as in model.fit: gpupar.fit(model_fn, x, y, "
+                              "validation_data=(x_val, y_val), ...)")
+        if name in OPTION_NAMES:
+            raise GpuparError(f"{name} is an option of the MNIST presets (gpupar.fit_mnist); gpupar.fit trains your "
+                              "model on your data: build those into model_fn and x"
+                              + (" (stop early with stop_at={'val_accuracy': ...})" if name == "stop_at_accuracy"
+                                 else ""))
     return Config.from_options(config, **options)
 
 
-def fit(model_fn, train_data, eval_data=None, loss="sparse_categorical_crossentropy", metrics=("accuracy",),
-        optimizer=None, callbacks=(), config: Config = None, **options):
-    """Trains the Keras model that model_fn builds, on every device the options pick, and returns a FitResult.
+def _fit_run(model_fn, data, loss, metrics, optimizer, callbacks, config, fit_options, options):
+    """(Config, Task) of gpupar.fit's or gpupar.diagnose's arguments, every check that needs no TensorFlow done."""
+    given = {name: value for name, value in fit_options.items() if value != _FIT_OPTIONS[name]}
+    config = _fit_config(config, {**options, **given})
+    from gpupar.data.adapters import fit_data
+    from gpupar.training.task import user_task
+
+    train, validation = fit_data(**data)
+    return config, user_task(model_fn, train, validation, loss, metrics, optimizer, callbacks or (),
+                             raw=(data["x"], data["validation_data"]))
+
+
+def fit(model_fn, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None, validation_split=0.0,
+        validation_data=None, shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0,
+        steps_per_epoch=None, validation_steps=None, validation_batch_size=None, validation_freq=1, *, loss=None,
+        metrics=None, optimizer=None, config: Config = None, **options):
+    """Trains the Keras model that model_fn builds, as model.fit would, on every device the options pick.
+
+    A Keras script ports by moving the model's build and compile into model_fn and calling
+    gpupar.fit(model_fn, ...) where it called model.fit(...): every argument after model_fn means
+    what it means in model.fit.
 
     Args:
       model_fn: A function of no arguments that returns a keras.Model (Sequential, functional or
-        subclassed; any number of inputs and outputs). gpupar calls it under the strategy's scope.
-      train_data: (x, y) or (x, y, sample_weight) arrays (each part an array, or a dict or tuple of
-        arrays); an unbatched tf.data.Dataset of the same structure; a dataset_fn(input_context)
-        that returns per-replica batches; or a TFDS name such as "tfds:cifar10" (split "train").
-      eval_data: The same forms, finite (a TFDS name's split is "test"); evaluated whole after
-        every epoch. None: no evaluation.
-      loss: A Keras loss name, a keras.losses.Loss, a function(y_true, y_pred) of one value per
-        example, or one per output (dict or list). Averaged over the global batch as its reduction says.
-      metrics: Keras metric names or keras.metrics.Metric objects (a dict or list of lists per output).
-      optimizer: A Keras optimizer (schedules included), a function of no arguments that returns one,
-        or its name; None: Adam(learning_rate). A Keras optimizer starts TensorFlow when it is made:
-        where gpupar must set up devices or join a cluster first (virtual_cpus, GPU settings,
-        several workers), pass the function, e.g. optimizer=lambda: keras.optimizers.SGD(0.1).
-      callbacks: keras.callbacks.Callback objects, called as model.fit calls them.
-      config: A Config; None for the defaults.
-      **options: Config fields over `config` (strategy, batch_size per replica, epochs, model_dir,
-        resume, stop_at, ...), but not the MNIST presets' (dataset, model, ...).
+        subclassed; any number of inputs and outputs), compiled or not. gpupar calls it under the
+        strategy's scope; a compiled model trains with its compile() arguments.
+      x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data, shuffle,
+        class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps,
+        validation_batch_size, validation_freq: As model.fit's. x may also be a
+        dataset_fn(input_context) of per-replica batches or a TFDS name ("tfds:cifar10").
+        batch_size is the global batch, split over the replicas (per_replica_batch_size= asks for
+        a batch per replica instead).
+      loss, metrics, optimizer: For a model that model_fn does not compile: as model.compile's
+        (optimizer None: Adam(learning_rate)). A Keras optimizer or metric object made before the
+        call has started TensorFlow: where device options must still apply, call
+        gpupar.configure_devices(...) first thing in the script.
+      config: gpupar's options as a Config; None for the defaults.
+      **options: gpupar's options (Config fields) over `config`: strategy, virtual_cpus,
+        model_dir, resume, accumulate_steps, precision, nan_policy, ...
 
     Returns:
-      A FitResult: the trained model, the per-epoch history (EpochRecord.logs: loss, <metric>,
-      val_loss, val_<metric>) and the final logs; .save(path) writes a .keras file.
+      A FitResult, usable where Keras' History is: .history ({"loss": [...], "val_loss": [...]}),
+      .epoch, .model (compiled, usable without entering a scope); with gpupar's records per epoch
+      (.records), the final logs and .save(path).
 
     Raises:
       GpuparError: a bad option or input, before any training step and with nothing written; a
         failed save; a non-finite loss (the last good checkpoint is kept).
       TrainingInterrupted: SIGINT or SIGTERM, after saving a checkpoint.
     """
-    config = _fit_config(config, options)
     from gpupar.training.run import train_and_evaluate
-    from gpupar.training.task import user_task
 
-    return train_and_evaluate(config, user_task(model_fn, train_data, eval_data, loss, metrics, optimizer, callbacks))
+    data = dict(x=x, y=y, sample_weight=sample_weight, class_weight=class_weight, validation_split=validation_split,
+                validation_data=validation_data)
+    fit_options = dict(batch_size=batch_size, epochs=epochs, verbose=verbose, shuffle=shuffle,
+                       initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                       validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+    return train_and_evaluate(*_fit_run(model_fn, data, loss, metrics, optimizer, callbacks, config, fit_options,
+                                        options))
 
 
 def fit_mnist(config: Config = None, optimizer=None, callbacks=(), preset=None, **options):
@@ -148,12 +179,12 @@ def fit_mnist(config: Config = None, optimizer=None, callbacks=(), preset=None, 
     return train_and_evaluate(*mnist_run(*mnist_options(config, preset, options), optimizer, callbacks))
 
 
-def diagnose(model_fn, train_data, loss="sparse_categorical_crossentropy", metrics=("accuracy",), optimizer=None,
-             config: Config = None, steps: int = 30, **options):
+def diagnose(model_fn, x=None, y=None, batch_size=None, sample_weight=None, *, loss=None, metrics=None,
+             optimizer=None, config: Config = None, steps: int = 30, **options):
     """Measures what bounds training of your model on your data: the input pipeline or the step.
 
     Args:
-      model_fn, train_data, loss, metrics, optimizer, config, **options: as gpupar.fit's.
+      model_fn, x, y, batch_size, sample_weight, loss, metrics, optimizer, config, **options: as gpupar.fit's.
       steps: Timed steps in each of the three measurements.
 
     Returns:
@@ -162,11 +193,11 @@ def diagnose(model_fn, train_data, loss="sparse_categorical_crossentropy", metri
     Raises:
       GpuparError: a bad option or input.
     """
-    config = _fit_config(config, options)
     from gpupar.commands.diagnose import diagnose as measure
-    from gpupar.training.task import user_task
 
-    return measure(config, user_task(model_fn, train_data, None, loss, metrics, optimizer, ()), steps)
+    data = dict(x=x, y=y, sample_weight=sample_weight, class_weight=None, validation_split=0.0, validation_data=None)
+    return measure(*_fit_run(model_fn, data, loss, metrics, optimizer, (), config, {"batch_size": batch_size},
+                             options), steps)
 
 
 def diagnose_mnist(config: Config = None, steps: int = 30, preset=None, **options):

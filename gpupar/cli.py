@@ -34,12 +34,13 @@ FLAGS = flags.FLAGS
 def option_fields():
     """(name, default, help, type) of every training option, in the flags' order: the Config's parts, its seed,
     then the MNIST presets' options."""
-    from gpupar.presets.mnist_options import MnistOptions
+    from gpupar.presets.mnist_options import PRESET_DEFAULTS, MnistOptions
 
     rows = []
     for part in [part for _, part in PARTS] + [MnistOptions]:
         helps, hints, defaults = part.field_help(), typing.get_type_hints(part), part()
-        rows += [(f.name, getattr(defaults, f.name), helps[f.name], hints[f.name]) for f in dataclasses.fields(part)]
+        rows += [(f.name, PRESET_DEFAULTS.get(f.name, getattr(defaults, f.name)), helps[f.name], hints[f.name])
+                 for f in dataclasses.fields(part)]
         if part is PARTS[-1][1]:
             rows.append(("seed", Config().seed, attribute_help(Config.__doc__)["seed"], int))
     return rows

@@ -29,6 +29,8 @@ NAN_POLICIES = ("stop", "skip")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 _DEVICE_NAME = re.compile(r"^/(device:)?(cpu|gpu):\d+$", re.IGNORECASE)
 _THREADS_HINT = " (0 leaves it to TensorFlow), or empty to let gpupar choose"
+VERBOSE = ("auto", 0, 1, 2)
+STEPS_PER_CALL = 10  # train steps per tf.function call when neither steps_per_call nor display_step says
 
 
 # Each field's own rule: a function (name, value) that raises GpuparError for a bad value.
@@ -213,19 +215,33 @@ class InputOptions(Options):
     """The batch and the tf.data pipelines that make it.
 
     Attributes:
-      batch_size: Examples per replica per step; the global batch is this times the replicas (and times accumulate_steps).
+      batch_size: Examples per step over all replicas, as model.fit's batch_size: the replicas split it (times accumulate_steps per update); empty: 32, or the data's own batches.
+      per_replica_batch_size: Examples per replica per step instead of batch_size: the global batch is this times the replicas; the MNIST presets' default is 1024.
+      shuffle: Draw the arrays (and a PyDataset's batches) in a fresh seeded order every epoch, as model.fit's shuffle; False keeps their order.
+      validation_batch_size: Examples per evaluation step over all replicas; empty: the training batch.
+      validation_steps: Evaluate on at most this many batches; empty: the whole evaluation set.
       num_parallel_calls: Threads for the tf.data map; empty lets tf.data tune it (AUTOTUNE).
       deterministic: Keep the exact example order; False lets a ready example overtake a slow one (no exact replay on resume).
       data_threads: Give tf.data a private pool of this many threads; empty uses TensorFlow's shared pool.
     """
 
-    batch_size: int = 1024
+    batch_size: Optional[int] = None
+    per_replica_batch_size: Optional[int] = None
+    shuffle: bool = True
+    validation_batch_size: Optional[int] = None
+    validation_steps: Optional[int] = None
     num_parallel_calls: Optional[int] = None
     deterministic: bool = True
     data_threads: Optional[int] = None
 
-    _rules = {"batch_size": whole(1), "num_parallel_calls": optional(whole(1)), "deterministic": boolean,
-              "data_threads": optional(whole(1))}
+    _rules = {"batch_size": optional(whole(1)), "per_replica_batch_size": optional(whole(1)), "shuffle": boolean,
+              "validation_batch_size": optional(whole(1)), "validation_steps": optional(whole(1)),
+              "num_parallel_calls": optional(whole(1)), "deterministic": boolean, "data_threads": optional(whole(1))}
+
+    def _check(self):
+        _check(self.batch_size is None or self.per_replica_batch_size is None,
+               f"batch_size={self.batch_size} and per_replica_batch_size={self.per_replica_batch_size} both set the "
+               "batch; give one of them (batch_size is split over the replicas, as in model.fit)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,39 +249,55 @@ class LoopOptions(Options):
     """The outer loop: epochs, calls of steps, progress lines, stops and what it observes.
 
     Attributes:
-      epochs: Total epochs to train; a resumed run stops at the same total.
-      steps_per_epoch: Cap on the steps of each epoch, for quick runs; empty for a full pass.
-      display_step: Print a progress line every this many steps.
-      steps_per_call: Train steps run inside one tf.function call; empty runs display_step steps per call (capped at the epoch), so the host reads results once per progress line.
+      epochs: Total epochs to train, as model.fit's epochs; a resumed run stops at the same total.
+      initial_epoch: The epoch to start at when there is no checkpoint to resume, as model.fit's initial_epoch.
+      steps_per_epoch: Cap on the steps of each epoch; empty for a full pass (needed for data of unknown length).
+      validation_freq: Evaluate after every this many epochs, as model.fit's validation_freq.
+      verbose: What the run prints, as model.fit's verbose: 0 nothing but warnings, 1 a progress bar on a terminal (else one line per epoch), 2 one line per epoch, auto 1.
+      display_step: Also print a progress line every this many steps; empty: none between epochs.
+      steps_per_call: Train steps run inside one tf.function call (model.compile's steps_per_execution); empty: display_step steps, or 10, capped at the epoch, so the host reads results once per call.
       stop_at: Stop after the first epoch whose logs reach these, e.g. "val_accuracy=0.9" (a loss: at or below); empty trains all epochs.
       checkpoint_every_steps: Also save within an epoch every this many steps; empty saves per epoch only.
       profile_steps: Capture a TensorBoard profile of this run's steps FIRST,LAST (e.g. 20,40) into log_dir.
     """
 
-    epochs: int = 5
+    epochs: int = 1
+    initial_epoch: int = 0
     steps_per_epoch: Optional[int] = None
-    display_step: int = 10
+    validation_freq: int = 1
+    verbose: Union[int, str] = "auto"
+    display_step: Optional[int] = None
     steps_per_call: Optional[int] = None
     stop_at: Optional[Mapping[str, float]] = None
     checkpoint_every_steps: Optional[int] = None
     profile_steps: Optional[Tuple[int, int]] = None
 
-    _rules = {"epochs": whole(0), "steps_per_epoch": optional(whole(1)), "display_step": whole(1),
-              "steps_per_call": optional(whole(1)), "checkpoint_every_steps": optional(whole(1))}
+    _rules = {"epochs": whole(0), "initial_epoch": whole(0), "steps_per_epoch": optional(whole(1)),
+              "validation_freq": whole(1), "display_step": optional(whole(1)), "steps_per_call": optional(whole(1)),
+              "checkpoint_every_steps": optional(whole(1))}
 
     def _parse(self):
         self._set("stop_at", _parse_stop_at(self.stop_at))
         self._set("profile_steps", _parse_profile_steps(self.profile_steps))
+        if isinstance(self.verbose, str) and self.verbose.isdigit():  # a flag gives a string
+            self._set("verbose", int(self.verbose))
+
+    def _check(self):
+        _check(self.verbose in VERBOSE, f"verbose={quote(self.verbose)} is unknown; choose one of: 'auto', 0, 1, 2")
 
     def steps_in_a_call(self, steps_per_epoch: int) -> int:
-        """Train steps per tf.function call: steps_per_call, else display_step capped at the epoch."""
-        return self.steps_per_call or min(self.display_step, steps_per_epoch)
+        """Train steps per tf.function call: steps_per_call, else display_step (or 10) capped at the epoch."""
+        return self.steps_per_call or min(self.display_step or STEPS_PER_CALL, steps_per_epoch)
+
+    def evaluates_after(self, epoch: int) -> bool:
+        """Whether the evaluation runs after this epoch (from 0): every validation_freq epochs, as in Keras."""
+        return (epoch + 1) % self.validation_freq == 0
 
     def reached(self, logs) -> Optional[str]:
         """Why training should stop after an epoch with these logs (stop_at), or None."""
         for name, target in (self.stop_at or {}).items():
             value = logs.get(name)
-            if value is not None and (value <= target if "loss" in name else value >= target):
+            if isinstance(value, (int, float)) and (value <= target if "loss" in name else value >= target):
                 return f"{name} {value:.4f} reached {target}"
         return None
 

@@ -106,3 +106,10 @@ def slow_host_warp(monkeypatch):
         return image
 
     monkeypatch.setattr(augment, "warp_numpy", warp)
+
+
+def fit_data(data):
+    """model.fit's x, y and sample_weight of test data given as (x, y) or (x, y, sample_weight); any other form is x."""
+    if isinstance(data, tuple) and 2 <= len(data) <= 3:
+        return dict(zip(("x", "y", "sample_weight"), data))
+    return dict(x=data)

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import gpupar
+from conftest import fit_data
 from gpupar.errors import GpuparError
 
 # SGD, so that a wrong scale (a micro-batch divided by its own denominator, the penalty added N
@@ -35,11 +36,11 @@ def _fit(replicas, accumulate_steps, batch_size=None, reduction="mean_with_sampl
     """One epoch of 4 updates of GLOBAL_BATCH examples (unless batch_size says otherwise)."""
     settings = dict(
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction),
-        optimizer=lambda: keras.optimizers.SGD(0.1), batch_size=batch_size or GLOBAL_BATCH // replicas // accumulate_steps,
+        optimizer=lambda: keras.optimizers.SGD(0.1), batch_size=batch_size or GLOBAL_BATCH // accumulate_steps,
         accumulate_steps=accumulate_steps, epochs=1, steps_per_epoch=4, save=False, display_step=100,
         strategy="one_device" if replicas == 1 else "mirrored", virtual_cpus=replicas if replicas > 1 else None)
     settings.update(options)
-    return gpupar.fit(_model, _data(), **settings)
+    return gpupar.fit(_model, **fit_data(_data()), **settings)
 
 
 def _difference(a, b):
@@ -55,7 +56,7 @@ def test_accumulated_batches_update_as_one_larger_batch(replicas, accumulate_ste
     accumulated = _fit(replicas, accumulate_steps, reduction=reduction)
     assert _difference(whole, _model()) > 1e-2  # the updates moved the weights
     assert _difference(accumulated, whole) < ATOL
-    assert abs(accumulated.history[0].logs["loss"] - whole.history[0].logs["loss"]) < ATOL
+    assert abs(accumulated.records[0].logs["loss"] - whole.records[0].logs["loss"]) < ATOL
     assert accumulated.global_batch == whole.global_batch == GLOBAL_BATCH
 
 
@@ -73,13 +74,14 @@ def test_checkpoints_land_on_update_boundaries_and_resume_as_if_never_stopped(tm
     assert steps == {"step-6"}  # counted in updates: the newest step checkpoint, after 6 updates of 2 batches
     resumed = _fit(2, 2, save=True, model_dir=model_dir, resume=os.path.join(model_dir, "within_epoch", "step-6"),
                    **options)
-    assert resumed.history[0].resumed_at_step == 6 and resumed.history[0].steps == 8
+    assert resumed.records[0].resumed_at_step == 6 and resumed.records[0].steps == 8
     assert _difference(resumed, straight) < 1e-6
 
 
 def test_the_progress_line_counts_updates_and_examples(caplog):
     _fit(2, 2, display_step=2)
-    assert "accumulation: each update adds the gradients of 2 batches of 8 per replica" in caplog.text
+    assert "accumulation: each update adds the gradients of 2 micro-batches" in caplog.text
+    assert "batch: 16 examples per step, 8 per replica on 2 replicas; 32 per update (2 accumulated)" in caplog.text
     assert "Epoch:[0] [2 / 4 updates, 64 examples] loss: " in caplog.text
     assert "Epoch:[0] [4 / 4 updates, 128 examples] loss: " in caplog.text
 
@@ -90,9 +92,11 @@ def test_bad_accumulation_options_are_one_line_before_any_step():
         (dict(accumulate_steps=2, strategy="model_parallel"), "accumulate_steps=2 adds up gradients in a synchronous"),
         (dict(optimizer=lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)),
          "pass accumulate_steps=2 to gpupar instead"),
-        (dict(accumulate_steps=2, train_data=lambda context: tf.data.Dataset.from_tensor_slices(_data()[:2]).batch(8)),
+        (dict(accumulate_steps=2, x=lambda context: tf.data.Dataset.from_tensor_slices(_data()[:2]).batch(8)),
          "accumulate_steps=2 makes each replica's batch 2 times larger, and a dataset_fn's batches are its own"),
     ]:
         with pytest.raises(GpuparError, match=re.escape(message)) as e:
-            gpupar.fit(_model, options.pop("train_data", _data()[:2]), batch_size=8, epochs=1, save=False, **options)
+            data = dict(x=options.pop("x")) if "x" in options else dict(zip("xy", _data()[:2]), batch_size=8)
+            gpupar.fit(_model, **data, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), epochs=1,
+                       save=False, **options)
         assert "\n" not in str(e.value)

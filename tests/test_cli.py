@@ -11,7 +11,7 @@ import pytest
 
 from gpupar import cli
 from gpupar.config import Config
-from gpupar.presets.mnist_options import MnistOptions
+from gpupar.presets.mnist_options import mnist_options
 
 FLAGS = cli.FLAGS
 
@@ -40,7 +40,7 @@ def _gpupar(*args, timeout=300):
 
 
 def test_no_flags_give_the_default_config(parse):
-    assert parse() == _flat(Config(), MnistOptions())
+    assert parse() == _flat(*mnist_options())  # the presets' defaults: the command trains the MNIST ConvNet
 
 
 def test_flags_map_onto_the_config(parse, shared_idx_dir):
@@ -109,7 +109,7 @@ def test_training_failure_is_one_line_and_exit_1(idx_dir):
 
 def test_cli_trains_and_writes_metrics_json(shared_idx_dir, tmp_path):
     metrics = tmp_path / "metrics.json"
-    result = _gpupar(f"--data_dir={shared_idx_dir}", "--epochs=2", "--batch_size=16", "--steps_per_epoch=3",
+    result = _gpupar(f"--data_dir={shared_idx_dir}", "--epochs=2", "--per_replica_batch_size=16", "--steps_per_epoch=3",
                      "--strategy=mirrored", "--virtual_cpus=2", f"--model_dir={tmp_path / 'run'}",
                      f"--metrics_json={metrics}")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -127,7 +127,7 @@ def _merged_output(*args, **env):
 
 
 def test_a_plain_run_starts_with_gpupars_own_lines(shared_idx_dir):
-    run = [f"--data_dir={shared_idx_dir}", "--epochs=1", "--steps_per_epoch=1", "--batch_size=16", "--nosave"]
+    run = [f"--data_dir={shared_idx_dir}", "--epochs=1", "--steps_per_epoch=1", "--per_replica_batch_size=16", "--nosave"]
     quiet = _merged_output(*run)
     assert quiet.returncode == 0, quiet.stdout[-2000:]
     assert quiet.stdout.splitlines()[0].startswith("strategy: OneDeviceStrategy"), quiet.stdout[:2000]

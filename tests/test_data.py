@@ -40,16 +40,24 @@ def test_resumed_stream_continues_where_the_run_stopped():
     assert resumed == full[7:]
 
 
-def test_global_batch_larger_than_the_data_is_a_clear_error():
-    with pytest.raises(GpuparError, match="fewer than one global batch of 64"):
-        pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 64, seed=0, transform=mnist.normalise)
+def test_each_pass_ends_with_a_partial_batch_as_in_keras():
+    sizes = [len(b[1]) for b in pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 16, seed=0).take(6)]
+    assert sizes == [16, 16, 8, 16, 16, 8] and pipeline.batches_per_epoch(len(LABELS), 16) == 3
+    larger = [sorted(b[1].numpy()) for b in pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 64, seed=0).take(2)]
+    assert larger == [list(range(40))] * 2  # a batch larger than the data: the whole set, every pass
+
+
+def test_without_shuffle_the_batches_keep_the_arrays_order():
+    batches = pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 16, seed=0, shuffle=False).take(4)
+    assert [list(b[1].numpy()) for b in batches] == [list(range(16)), list(range(16, 32)), list(range(32, 40)),
+                                                     list(range(16))]
 
 
 @pytest.mark.parametrize("devices", [["/cpu:0"], ["/cpu:0", "/cpu:1", "/cpu:2"]])
 def test_test_pass_covers_every_example_once_partial_batch_included(devices):
     strategy = tf.distribute.MirroredStrategy(devices)
     global_batch = 6 * len(devices)
-    ds = pipeline.eval_dataset((IMAGES.astype(np.uint8), LABELS), global_batch, mnist.normalise)
+    ds = pipeline.eval_dataset((IMAGES.astype(np.uint8), LABELS), global_batch, mnist.normalise).repeat()
     it = iter(strategy.experimental_distribute_dataset(ds))
     steps = pipeline.test_steps(len(LABELS), global_batch)
     for _ in range(2):  # the same persistent iterator serves every evaluation

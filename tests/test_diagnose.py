@@ -19,7 +19,7 @@ def idx_dir(tmp_path_factory):
 
 
 def _options(idx_dir, **options):
-    return dict(data_dir=idx_dir, batch_size=256, strategy="one_device", dropout=0.0, **options)
+    return dict(data_dir=idx_dir, per_replica_batch_size=256, strategy="one_device", dropout=0.0, **options)
 
 
 def test_slow_host_augmentation_is_input_bound(idx_dir, slow_host_warp):
@@ -49,7 +49,7 @@ def test_too_few_steps_to_judge_is_an_error_before_any_work(idx_dir):
 def test_cli_prints_json(idx_dir):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     out = subprocess.run(
-        [sys.executable, "-m", "gpupar", "diagnose", f"--data_dir={idx_dir}", "--batch_size=256", "--diagnose_steps=4",
+        [sys.executable, "-m", "gpupar", "diagnose", f"--data_dir={idx_dir}", "--per_replica_batch_size=256", "--diagnose_steps=4",
          "--json"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout[out.stdout.index("{"):])
@@ -77,7 +77,7 @@ def test_the_verdict_follows_from_the_three_rates(rates, expected):
 
 
 def test_virtual_cpus_say_what_the_input_wait_cannot_tell(idx_dir):
-    report = diagnose(steps=4, data_dir=idx_dir, batch_size=128, strategy="mirrored", virtual_cpus=2, dropout=0.0)
+    report = diagnose(steps=4, data_dir=idx_dir, per_replica_batch_size=128, strategy="mirrored", virtual_cpus=2, dropout=0.0)
     assert "counts a replica waiting for a CPU thread as waiting for input" in report.format()
     assert report.input_bound == (report.together_examples_per_second < 0.8 * report.step_examples_per_second)
 

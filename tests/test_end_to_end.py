@@ -15,8 +15,8 @@ def test_fashion_mnist_two_replicas_learns(tmp_path):
     )
     result = gpupar.fit_mnist(
         dataset="fashion_mnist", data_dir=FASHION_MNIST, strategy="mirrored", virtual_cpus=2,
-        batch_size=128, epochs=2, steps_per_epoch=150, steps_per_call=10, display_step=50,
+        per_replica_batch_size=128, epochs=2, steps_per_epoch=150, steps_per_call=10, display_step=50,
         model_dir=str(tmp_path / "run"),
     )
-    assert sum(r.steps for r in result.history) == 300
+    assert sum(r.steps for r in result.records) == 300
     assert result.test_accuracy > 0.75  # chance is 0.10; this run reaches about 0.85

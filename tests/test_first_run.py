@@ -32,7 +32,7 @@ def _offline_tfds(tmp_path, proxy_url):
 def test_first_run_downloads_and_prepares_fashion_mnist_with_tfds(tmp_path):
     """TFDS's own builder downloads (the files it registers checksums for), prepares, loads; one step trains."""
     with UpstreamProxy() as proxy:
-        result = _gpupar("--dataset=fashion_mnist", "--epochs=1", "--steps_per_epoch=1", "--batch_size=64",
+        result = _gpupar("--dataset=fashion_mnist", "--epochs=1", "--steps_per_epoch=1", "--per_replica_batch_size=64",
                          env=_offline_tfds(tmp_path, proxy.url), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(proxy.served) == sorted(f"{stem}.gz" for stem in (
@@ -82,7 +82,7 @@ def test_outputs_default_to_a_new_numbered_run_folder():
 
 
 def test_runs_keep_their_outputs_and_resume_takes_the_latest(shared_idx_dir, tmp_path, caplog):
-    options = dict(data_dir=shared_idx_dir, batch_size=64, steps_per_epoch=2, display_step=100)
+    options = dict(data_dir=shared_idx_dir, per_replica_batch_size=64, steps_per_epoch=2, display_step=100)
     first = gpupar.fit_mnist(epochs=1, **options)
     second = gpupar.fit_mnist(epochs=1, **options)
     assert first.checkpoint == "runs/001/ckpt-1" and second.checkpoint == "runs/002/ckpt-1"
@@ -95,7 +95,7 @@ def test_runs_keep_their_outputs_and_resume_takes_the_latest(shared_idx_dir, tmp
 
 
 def test_save_false_writes_nothing_and_says_so(shared_idx_dir, tmp_path):
-    result = _gpupar(f"--data_dir={shared_idx_dir}", "--epochs=1", "--steps_per_epoch=1", "--batch_size=64",
+    result = _gpupar(f"--data_dir={shared_idx_dir}", "--epochs=1", "--steps_per_epoch=1", "--per_replica_batch_size=64",
                      "--nosave")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "outputs: none written (save=False)"
@@ -103,9 +103,9 @@ def test_save_false_writes_nothing_and_says_so(shared_idx_dir, tmp_path):
 
 
 def test_resume_with_a_mistyped_model_dir_warns(shared_idx_dir, tmp_path, caplog):
-    gpupar.fit_mnist(data_dir=shared_idx_dir, epochs=1, batch_size=64, steps_per_epoch=1,
+    gpupar.fit_mnist(data_dir=shared_idx_dir, epochs=1, per_replica_batch_size=64, steps_per_epoch=1,
                      model_dir=str(tmp_path / "run"))
-    result = gpupar.fit_mnist(data_dir=shared_idx_dir, epochs=1, batch_size=64, steps_per_epoch=1,
+    result = gpupar.fit_mnist(data_dir=shared_idx_dir, epochs=1, per_replica_batch_size=64, steps_per_epoch=1,
                               model_dir=str(tmp_path / "rnu"), resume=True)
     assert result.start_epoch == 0
     assert f"resume: model_dir='{tmp_path / 'rnu'}' does not exist (check the path)" in caplog.text
@@ -127,11 +127,11 @@ def test_help_says_what_each_command_does(command, says):
 
 def test_a_resumed_epoch_is_reported_whole(shared_idx_dir, tmp_path):
     """Interrupted at step 15 of 16 and resumed: the record covers all 16 steps, as if never stopped."""
-    options = dict(data_dir=shared_idx_dir, epochs=1, batch_size=16, dropout=0.0, display_step=100)
-    straight = gpupar.fit_mnist(save=False, **options).history[0]
+    options = dict(data_dir=shared_idx_dir, epochs=1, per_replica_batch_size=16, dropout=0.0, display_step=100)
+    straight = gpupar.fit_mnist(save=False, **options).records[0]
     model_dir = str(tmp_path / "run")
     gpupar.fit_mnist(model_dir=model_dir, checkpoint_every_steps=5, **options)  # saves steps 5, 10 and 15
-    resumed = gpupar.fit_mnist(model_dir=model_dir, resume=f"{model_dir}/within_epoch/step-15", **options).history[0]
+    resumed = gpupar.fit_mnist(model_dir=model_dir, resume=f"{model_dir}/within_epoch/step-15", **options).records[0]
     assert (resumed.steps, resumed.resumed_at_step, straight.resumed_at_step) == (16, 15, 0)
     assert resumed.train_loss == pytest.approx(straight.train_loss, abs=1e-5)
     assert resumed.train_accuracy == pytest.approx(straight.train_accuracy, abs=1e-6)
@@ -140,11 +140,11 @@ def test_a_resumed_epoch_is_reported_whole(shared_idx_dir, tmp_path):
 
 def test_a_checkpoint_names_the_model_that_wrote_it(shared_idx_dir, tmp_path):
     model_dir = tmp_path / "run"
-    gpupar.fit_mnist(data_dir=shared_idx_dir, epochs=1, batch_size=64, steps_per_epoch=1, model="lstm",
+    gpupar.fit_mnist(data_dir=shared_idx_dir, epochs=1, per_replica_batch_size=64, steps_per_epoch=1, model="lstm",
                      lstm_layers=1, lstm_units=8, model_dir=str(model_dir))
     before = {p.name: p.read_bytes() for p in model_dir.iterdir() if p.is_file()}
     with pytest.raises(GpuparError) as e:
-        gpupar.fit_mnist(data_dir=shared_idx_dir, epochs=2, batch_size=64, steps_per_epoch=1,
+        gpupar.fit_mnist(data_dir=shared_idx_dir, epochs=2, per_replica_batch_size=64, steps_per_epoch=1,
                          model_dir=str(model_dir), resume=True)
     assert (f"{model_dir}/ckpt-1 was written by model lstm (lstm_layers=1, lstm_units=8), but this run builds "
             "model convnet") in str(e.value)

@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import gpupar
+from conftest import fit_data
 from gpupar.errors import GpuparError
 
 # SGD, so that a wrong scale of the loss or the gradients (the replica count, a batch split
@@ -38,12 +39,16 @@ def _dense(l2=0.0, softmax=False):
 
 
 def _fit(model_fn, data, replicas, **options):
-    per_replica, strategy = 32 // replicas, options.pop("strategy", "mirrored")
-    settings = dict(epochs=1, steps_per_epoch=4, save=False, display_step=100, optimizer=keras.optimizers.SGD(0.1))
+    """gpupar.fit with a global batch of 32 (as model.fit's batch_size), on one device or on `replicas` replicas."""
+    strategy = options.pop("strategy", "mirrored")
+    own_batches = callable(data)  # a dataset_fn's batches are its own
+    settings = dict(epochs=1, steps_per_epoch=4, save=False, optimizer=keras.optimizers.SGD(0.1),
+                    batch_size=None if own_batches else 32, metrics=["accuracy"],
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     settings.update(options)
     if replicas == 1:
-        return gpupar.fit(model_fn, data, strategy="one_device", batch_size=per_replica, **settings)
-    return gpupar.fit(model_fn, data, strategy=strategy, virtual_cpus=replicas, batch_size=per_replica, **settings)
+        return gpupar.fit(model_fn, **fit_data(data), strategy="one_device", **settings)
+    return gpupar.fit(model_fn, **fit_data(data), strategy=strategy, virtual_cpus=replicas, **settings)
 
 
 def _difference(a, b):
@@ -75,7 +80,7 @@ def test_two_replicas_give_the_weights_of_one_device(name, loss, model_fn, data)
     assert one.replicas == 1 and two.replicas == 2 and one.global_batch == two.global_batch == 32
     assert _moved(one, model_fn) > 100 * ATOL, name  # the four steps really changed the weights
     assert _difference(one, two) < ATOL, name
-    assert one.history[0].train_loss == pytest.approx(two.history[0].train_loss, abs=1e-5)
+    assert one.records[0].train_loss == pytest.approx(two.records[0].train_loss, abs=1e-5)
 
 
 def test_a_wrong_scale_would_show():
@@ -87,7 +92,7 @@ def test_a_wrong_scale_would_show():
 
 
 def _eval_logs(replicas, eval_data):
-    return _fit(_dense(), _data(), replicas, eval_data=eval_data, loss=keras.losses.SparseCategoricalCrossentropy(
+    return _fit(_dense(), _data(), replicas, validation_data=eval_data, loss=keras.losses.SparseCategoricalCrossentropy(
         from_logits=True), metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2")]).logs
 
 
@@ -212,7 +217,7 @@ def test_keras_callbacks_work_as_in_model_fit(tmp_path):
     plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=10.0)
     record = keras.callbacks.LambdaCallback(
         on_epoch_end=lambda e, logs: rates.append(float(keras.ops.convert_to_numpy(counting.model.optimizer.learning_rate))))
-    result = _fit(_dense(), _data(), 2, eval_data=_data(64, 5), epochs=2, steps_per_epoch=4, steps_per_call=2,
+    result = _fit(_dense(), _data(), 2, validation_data=_data(64, 5), epochs=2, steps_per_epoch=4, steps_per_call=2,
                   callbacks=[counting, keras.callbacks.CSVLogger(csv), schedule, plateau, record],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     logs = "['accuracy', 'loss', 'val_accuracy', 'val_loss']"
@@ -223,13 +228,13 @@ def test_keras_callbacks_work_as_in_model_fit(tmp_path):
     # The schedule sets 0.1, then 0.05; the plateau halves the second (the first epoch sets its best).
     assert rates == pytest.approx([0.1, 0.025])
     lines = open(csv).read().splitlines()
-    assert lines[0] == "epoch,accuracy,loss,val_accuracy,val_loss" and len(lines) == 3 and len(result.history) == 2
+    assert lines[0] == "epoch,accuracy,loss,val_accuracy,val_loss" and len(lines) == 3 and len(result.records) == 2 and result.epoch == [0, 1]
 
 
 def test_early_stopping_stops_and_stop_training_mid_epoch_saves(tmp_path):
     stopper = keras.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=100.0)
-    result = _fit(_dense(), _data(), 1, eval_data=_data(64, 5), epochs=5, callbacks=[stopper])
-    assert len(result.history) == 2  # epoch 1 did not improve by 100: stopped there
+    result = _fit(_dense(), _data(), 1, validation_data=_data(64, 5), epochs=5, callbacks=[stopper])
+    assert len(result.records) == 2  # epoch 1 did not improve by 100: stopped there
 
     class StopAtStep3(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -239,12 +244,12 @@ def test_early_stopping_stops_and_stop_training_mid_epoch_saves(tmp_path):
     model_dir = str(tmp_path / "run")
     stopped = _fit(_dense(), _data(), 1, epochs=3, steps_per_call=1, callbacks=[StopAtStep3()], save=True,
                    model_dir=model_dir)
-    assert stopped.history == [] and os.path.exists(os.path.join(model_dir, "within_epoch", "step-3.index"))
+    assert stopped.records == [] and stopped.history == {} and os.path.exists(os.path.join(model_dir, "within_epoch", "step-3.index"))
 
 
 def test_stop_at_any_logged_metric():
-    result = _fit(_dense(), _data(), 1, eval_data=_data(64, 5), epochs=6, stop_at={"val_loss": 10.0})
-    assert len(result.history) == 1  # any loss is below 10 after the first epoch
+    result = _fit(_dense(), _data(), 1, validation_data=_data(64, 5), epochs=6, stop_at={"val_loss": 10.0})
+    assert len(result.records) == 1  # any loss is below 10 after the first epoch
 
 
 def test_resume_mid_epoch_on_arrays_ends_with_the_uninterrupted_weights(tmp_path):
@@ -255,7 +260,7 @@ def test_resume_mid_epoch_on_arrays_ends_with_the_uninterrupted_weights(tmp_path
     _fit(_dense(), _data(), 2, save=True, model_dir=model_dir, checkpoint_every_steps=3, **{**options, "epochs": 1})
     resumed = _fit(_dense(), _data(), 2, save=True, model_dir=model_dir,
                    resume=os.path.join(model_dir, "within_epoch", "step-6"), **options)
-    assert resumed.history[0].resumed_at_step == 6
+    assert resumed.records[0].resumed_at_step == 6
     assert _difference(straight, resumed) < 1e-6
 
 
@@ -299,10 +304,11 @@ def test_a_subclassed_multi_output_model_with_dicts():
 
     x, y = _data()
     data = ({"a": x[:, :3], "b": x[:, 3:]}, {"kind": y, "size": x[:, :1] * 2})
-    result = _fit(TwoHeads, data, 2, eval_data=data, loss={
+    result = _fit(TwoHeads, data, 2, validation_data=data, loss={
         "kind": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "size": "mse"},
         metrics={"kind": ["accuracy"], "size": ["mae"]})
-    assert set(result.logs) == {"loss", "kind_accuracy", "size_mae", "val_loss", "val_kind_accuracy", "val_size_mae"}
+    assert set(result.logs) == {"loss", "kind_loss", "size_loss", "kind_accuracy", "size_mae",  # Keras' names
+                                "val_loss", "val_kind_loss", "val_size_loss", "val_kind_accuracy", "val_size_mae"}
     assert np.isfinite(list(result.logs.values())).all()
 
 
@@ -312,7 +318,7 @@ def test_a_dataset_and_a_dataset_fn_give_the_update_of_one_device_on_the_same_ba
     dataset = tf.data.Dataset.from_tensor_slices((x, y))  # batched by gpupar, in order: global batch 32
     one_device = _fit(_dense(), dataset, 1, loss=loss)
     two_replicas = _fit(_dense(), dataset, 2, loss=loss)
-    assert one_device.history[0].steps == two_replicas.history[0].steps == 4
+    assert one_device.records[0].steps == two_replicas.records[0].steps == 4
     assert _moved(one_device, _dense()) > 100 * ATOL and _difference(one_device, two_replicas) < ATOL
 
     def dataset_fn(context):  # one input pipeline: its per-replica batches of 16 go to the replicas in turn
@@ -323,8 +329,8 @@ def test_a_dataset_and_a_dataset_fn_give_the_update_of_one_device_on_the_same_ba
     def eval_fn(context):  # a length TensorFlow cannot tell (a filter): counted once, before training
         return tf.data.Dataset.from_tensor_slices((x[:90], y[:90])).filter(lambda *_: True).batch(16)
 
-    from_fn = _fit(_dense(), dataset_fn, 2, loss=loss, eval_data=eval_fn)
-    assert from_fn.history[0].steps == 4 and _difference(from_fn, two_replicas) < ATOL
+    from_fn = _fit(_dense(), dataset_fn, 2, loss=loss, validation_data=eval_fn)
+    assert from_fn.records[0].steps == 4 and _difference(from_fn, two_replicas) < ATOL
     whole = keras.metrics.SparseCategoricalAccuracy()
     whole.update_state(y[:90], from_fn.model.predict(x[:90], verbose=0))
     assert from_fn.logs["val_accuracy"] == pytest.approx(float(whole.result()), abs=1e-6)  # all 90, once
@@ -338,9 +344,9 @@ def test_a_tfds_name_loads_its_split():
                                  keras.layers.Dense(10)])
 
     with tfds.testing.mock_data(num_examples=64):
-        result = _fit(model_fn, "tfds:mnist", 1, eval_data="tfds:mnist:test",
+        result = _fit(model_fn, "tfds:mnist", 1, validation_data="tfds:mnist:test",
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), steps_per_epoch=2)
-    assert result.history[0].steps == 2 and "val_accuracy" in result.logs
+    assert result.records[0].steps == 2 and "val_accuracy" in result.logs
 
 
 def _export_and_reload(result, tmp_path, x):
@@ -364,7 +370,7 @@ def test_the_saved_model_loads_in_a_fresh_process_and_predicts_the_same(tmp_path
 
 
 def test_the_convnet_exports_as_keras_layers_only(shared_idx_dir, tmp_path):
-    result = gpupar.fit_mnist(data_dir=shared_idx_dir, epochs=1, batch_size=32, steps_per_epoch=2, save=False,
+    result = gpupar.fit_mnist(data_dir=shared_idx_dir, epochs=1, per_replica_batch_size=32, steps_per_epoch=2, save=False,
                               export_path=str(tmp_path / "convnet.keras"))
     x = np.random.default_rng(0).random((4, 28, 28, 1)).astype("float32")
     path = tmp_path / "convnet.keras"
@@ -376,8 +382,9 @@ def test_the_convnet_exports_as_keras_layers_only(shared_idx_dir, tmp_path):
 
 
 def _refused(message, *args, **options):
+    settings = dict(save=True, epochs=1, batch_size=16, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     with pytest.raises(GpuparError) as e:
-        gpupar.fit(*args, **{**dict(save=True, epochs=1, batch_size=16), **options})
+        gpupar.fit(*args, **{**settings, **options})
     assert message in str(e.value) and "\n" not in str(e.value)
     assert not os.path.exists("runs")  # nothing written
 
@@ -385,36 +392,37 @@ def _refused(message, *args, **options):
 def test_bad_input_is_one_line_before_any_step():
     x, y = _data()
     good = _dense()
-    _refused("model_fn is a built keras.Model; pass a function that builds it", good(), (x, y))
-    _refused("model_fn returned a int, not a keras.Model", lambda: 3, (x, y))
+    _refused("model_fn is a built keras.Model; pass a function that builds", good(), x, y)
+    _refused("model_fn returned a int, not a keras.Model", lambda: 3, x, y)
 
     class OwnStep(keras.Sequential):
         def train_step(self, data):
             return {}
 
-    _refused("OwnStep has its own train_step", lambda: OwnStep([keras.Input((6,)), keras.layers.Dense(4)]), (x, y))
-    _refused("is a batched tf.data.Dataset; pass it unbatched", good,
+    _refused("OwnStep has its own train_step", lambda: OwnStep([keras.Input((6,)), keras.layers.Dense(4)]), x, y)
+    _refused("batch_size is set, but x is a tf.data.Dataset whose batches are its own", good,
              tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
     _refused("is a dataset_fn whose dataset is not batched", good,
              lambda context: tf.data.Dataset.from_tensor_slices((x, y)))
-    _refused("eval_data is endless", good, (x, y), eval_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat())
-    _refused("train_data: the arrays have different numbers of examples (x 256, y 255)", good, (x, y[:-1]))
-    _refused("the labels reach 0..7, but the model has 4 outputs", good, (x, y * 2 + (y == 3)))
-    _refused("loss: unknown Keras loss name", good, (x, y), loss="crossentropyy")
-    _refused("metrics: 'acuracy' is not a Keras metric name", good, (x, y), metrics=["acuracy"])
-    _refused("dataset is an option of the MNIST presets (gpupar.fit_mnist)", good, (x, y), dataset="mnist")
-    _refused("the loss '_mean_loss' returns one scalar for the batch", good, (x, y),
-             loss=_mean_loss)
-    _refused("strategy=model_parallel needs stages", good, (x, y), strategy="model_parallel", virtual_cpus=2)
+    _refused("validation_data is endless", good, x, y, validation_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat())
+    _refused("x: the arrays have different numbers of examples (x 256, y 255)", good, x, y[:-1])
+    _refused("the labels reach 0..7, but the model has 4 outputs", good, x, y * 2 + (y == 3))
+    _refused("loss: unknown Keras loss name", good, x, y, loss="crossentropyy")
+    _refused("metrics: 'acuracy' is not a Keras metric name", good, x, y, metrics=["acuracy"])
+    _refused("dataset is an option of the MNIST presets (gpupar.fit_mnist)", good, x, y, dataset="mnist")
+    _refused("strategy=model_parallel needs stages", good, x, y, strategy="model_parallel", virtual_cpus=2)
+    _refused("the model has no loss: compile it with one in model_fn", good, x, y, loss=None)
+    _refused("eval_data is now validation_data, as in model.fit", good, x, y, eval_data=(x, y))
+    _refused("the loss needs labels, but there is no y", good, (x, y))  # a tuple x is the inputs, as in Keras
 
 
 EARLY_OPTIMIZER = """
 import sys, keras, numpy as np, gpupar
 x = np.random.default_rng(0).normal(size=(256, 6)).astype("float32"); y = (x[:, 0] > 0).astype("int64")
 optimizer = keras.optimizers.SGD(0.1) if sys.argv[1] == "object" else (lambda: keras.optimizers.SGD(0.1))
-result = gpupar.fit(lambda: keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)]), (x, y),
+result = gpupar.fit(lambda: keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)]), x, y,
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer=optimizer,
-                    strategy="mirrored", virtual_cpus=2, batch_size=16, epochs=1, steps_per_epoch=2, save=False)
+                    strategy="mirrored", virtual_cpus=2, batch_size=32, epochs=1, steps_per_epoch=2, save=False)
 print("replicas", result.replicas, "learning rate", float(keras.ops.convert_to_numpy(result.model.optimizer.learning_rate)))
 """
 
@@ -435,6 +443,14 @@ def test_an_optimizer_made_before_fit_is_named_as_what_started_tensorflow(given,
 
 def _mean_loss(y, y_pred):
     return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y, y_pred, from_logits=True))
+
+
+def test_a_loss_of_one_value_per_batch_is_the_replicas_mean_and_said_so(caplog):
+    caplog.set_level("INFO", "gpupar")
+    per_example = _fit(_dense(), _data(), 1)
+    batch_level = _fit(_dense(), _data(), 2, loss=_mean_loss)  # equal shares: the mean of the replicas' means
+    assert _difference(per_example, batch_level) < ATOL
+    assert "loss '_mean_loss' gives one value per batch, not one per example" in caplog.text
 
 
 @pytest.mark.slow

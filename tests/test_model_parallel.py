@@ -57,7 +57,8 @@ def test_fewer_devices_than_stages_is_an_error():
     "options, message",
     [
         (dict(microbatches=4), "microbatches=4 pipelines the stages of strategy=model_parallel"),
-        (dict(strategy="model_parallel", batch_size=30, microbatches=4), "batch_size=30 does not split"),
+        (dict(strategy="model_parallel", per_replica_batch_size=30, microbatches=4),
+         "per_replica_batch_size=30 does not split"),
         (dict(strategy="model_parallel", nan_policy="skip"), "nan_policy=skip drops a step on every replica at once"),
         (dict(strategy="model_parallel", sync_batch_norm=True), "normalises each micro-batch"),
         (dict(model="resnet"), "model='resnet' is unknown; choose one of: convnet, lstm"),
@@ -312,7 +313,7 @@ def test_convnet_micro_batches_normalise_by_their_own_statistics(batch):
 # --- training runs: split and unsplit continue each other's checkpoints -------------------------
 
 def _fit(data_dir, **options):
-    defaults = dict(data_dir=data_dir, model="lstm", lstm_layers=3, lstm_units=16, batch_size=32, epochs=2,
+    defaults = dict(data_dir=data_dir, model="lstm", lstm_layers=3, lstm_units=16, per_replica_batch_size=32, epochs=2,
                     steps_per_epoch=3, display_step=100, seed=0)
     return gpupar.fit_mnist(**{**defaults, **options})
 
@@ -359,7 +360,7 @@ def test_pipeline_benchmark_reports_m1_and_m4_on_one_and_several_devices(shared_
 
 
 def test_the_lstm_also_trains_data_parallel(shared_idx_dir):
-    result = _fit(shared_idx_dir, strategy="mirrored", virtual_cpus=2, batch_size=16, epochs=1)
+    result = _fit(shared_idx_dir, strategy="mirrored", virtual_cpus=2, per_replica_batch_size=16, epochs=1)
     keras.utils.set_random_seed(0)
     initial = build_lstm(3, 16, seed=0).get_weights()
     assert result.replicas == 2 and "MirroredStrategy" in result.strategy_description
@@ -382,9 +383,9 @@ def _users_fit(**options):
     y = np.argmax(x[:, :4], axis=1).astype("int32")
     weights = np.where(y == 0, 3.0, 0.5).astype("float32")
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight")
-    settings = dict(eval_data=(x[:50], y[:50]), loss=loss, optimizer=lambda: keras.optimizers.SGD(0.1),
-                    batch_size=32, epochs=1, steps_per_epoch=4, save=False, display_step=100)
-    return gpupar.fit(_users_dense, (x, y, weights), **{**settings, **options})
+    settings = dict(validation_data=(x[:50], y[:50]), loss=loss, metrics=["accuracy"],
+                    optimizer=lambda: keras.optimizers.SGD(0.1), batch_size=32, epochs=1, steps_per_epoch=4, save=False)
+    return gpupar.fit(_users_dense, x, y, sample_weight=weights, **{**settings, **options})
 
 
 def test_fit_trains_a_users_model_in_stages_to_the_one_device_weights():
@@ -414,10 +415,10 @@ def test_a_users_model_that_is_not_a_chain_or_a_dataset_fn_is_refused_with_stage
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(64, 6)).astype("float32"), rng.integers(0, 2, 64)
     with pytest.raises(GpuparError, match="stages split a chain of layers"):
-        gpupar.fit(_residual, (x, y), strategy="model_parallel", stages=("hidden",), virtual_cpus=2, batch_size=8,
-                   epochs=1, save=False)
-    with pytest.raises(GpuparError, match="train_data is a dataset_fn, which gives per-replica batches"):
+        gpupar.fit(_residual, x, y, loss="sparse_categorical_crossentropy", strategy="model_parallel",
+                   stages=("hidden",), virtual_cpus=2, batch_size=8, epochs=1, save=False)
+    with pytest.raises(GpuparError, match="x is a dataset_fn, which gives per-replica batches"):
         gpupar.fit(_chain, lambda context: tf.data.Dataset.from_tensor_slices((x, y)).batch(8), strategy="model_parallel",
-                   stages=("hidden",), virtual_cpus=2, batch_size=8, epochs=1, steps_per_epoch=2, save=False)
+                   stages=("hidden",), virtual_cpus=2, epochs=1, steps_per_epoch=2, save=False)
     with pytest.raises(GpuparError, match=r"stages=hidden splits a model for strategy=model_parallel"):
-        gpupar.fit(_chain, (x, y), stages=("hidden",), batch_size=8, epochs=1, save=False)
+        gpupar.fit(_chain, x, y, stages=("hidden",), batch_size=8, epochs=1, save=False)

@@ -28,7 +28,7 @@ def _state(checkpoint):
 
 @pytest.mark.slow
 def test_two_workers_reach_the_weights_of_two_replicas_in_one_process(shared_idx_dir, tmp_path):
-    common = dict(data_dir=shared_idx_dir, epochs=1, steps_per_epoch=4, batch_size=16, dropout=0.0,
+    common = dict(data_dir=shared_idx_dir, epochs=1, steps_per_epoch=4, per_replica_batch_size=16, dropout=0.0,
                   sync_batch_norm=True, seed=0, display_step=100)
     launch = Launch(["--workers=2"], [f"--{k}={v}" for k, v in common.items()] + [
         "--strategy=multi_worker_mirrored", f"--model_dir={tmp_path / 'two_workers'}",
@@ -75,7 +75,7 @@ def test_a_worker_killed_mid_run_is_restarted_and_the_run_completes(tmp_path):
     data_dir = make_idx_dir(tmp_path / "data", num_train=512, num_test=100)
     model_dir = tmp_path / "model"
     launch = Launch(["--workers=2", "--restarts=1"], [
-        "--strategy=multi_worker_mirrored", f"--data_dir={data_dir}", "--epochs=5", "--batch_size=16",
+        "--strategy=multi_worker_mirrored", f"--data_dir={data_dir}", "--epochs=5", "--per_replica_batch_size=16",
         "--dropout=0", "--display_step=1000", "--checkpoint_every_steps=4", f"--model_dir={model_dir}",
         f"--metrics_json={tmp_path / 'metrics.json'}"])
     try:
@@ -150,7 +150,7 @@ def test_sigterm_to_one_worker_stops_all_after_the_same_step_with_a_checkpoint(t
     data_dir = make_idx_dir(tmp_path / "data", num_train=2048, num_test=100)
     model_dir = tmp_path / "model"
     launch = Launch(["--workers=2"], [
-        "--strategy=multi_worker_mirrored", f"--data_dir={data_dir}", "--epochs=20", "--batch_size=16",
+        "--strategy=multi_worker_mirrored", f"--data_dir={data_dir}", "--epochs=20", "--per_replica_batch_size=16",
         "--display_step=1000", "--steps_per_call=1", f"--model_dir={model_dir}"])  # a check after every step
     try:
         launch.wait_for(r"\[worker:0\] Epoch:\[0\] loss:", timeout=120)

@@ -12,7 +12,7 @@ from launching import Launch, task_pids
 
 
 def _flags(data_dir, run_dir, **extra):
-    flags = {**dict(data_dir=data_dir, epochs=3, batch_size=32, learning_rate=1e-2, dropout=0.0, display_step=1000,
+    flags = {**dict(data_dir=data_dir, epochs=3, per_replica_batch_size=32, learning_rate=1e-2, dropout=0.0, display_step=1000,
                     strategy="parameter_server", model_dir=run_dir / "model", metrics_json=run_dir / "metrics.json"),
              **extra}
     return [f"--{k}={v}" for k, v in flags.items()]
@@ -133,7 +133,7 @@ def test_arrays_for_parameter_servers_are_refused_naming_dataset_fn(tmp_path):
     launch = _user_launch(["--workers=2", "--ps=1"], tmp_path / "model", 1, "arrays")
     assert launch.finish(timeout=180) == 1
     launch.assert_no_strays()
-    assert re.search(r"\[chief:0\] gpupar.errors.GpuparError: strategy=parameter_server needs train_data as a "
-                     r"dataset_fn\(input_context\), not a tuple", launch.output), launch.output[-3000:]
+    assert re.search(r"\[chief:0\] gpupar.errors.GpuparError: strategy=parameter_server needs x as a "
+                     r"dataset_fn\(input_context\), not arrays", launch.output), launch.output[-3000:]
     assert "[chief:0] strategy:" not in launch.output  # refused before the chief joined the cluster
     assert not os.path.exists(tmp_path / "model" / "checkpoint")

@@ -20,7 +20,7 @@ def test_calls_are_cut_at_the_window_edges():
 
 def test_profile_of_chosen_steps_lands_in_log_dir(shared_idx_dir, tmp_path, capsys):
     log_dir = str(tmp_path / "tb")
-    gpupar.fit_mnist(data_dir=shared_idx_dir, epochs=1, batch_size=32, steps_per_call=4, log_dir=log_dir,
+    gpupar.fit_mnist(data_dir=shared_idx_dir, epochs=1, per_replica_batch_size=32, steps_per_call=4, log_dir=log_dir,
                      profile_steps="2,3")
     assert "profiled steps 2..3 of this run into" in capsys.readouterr().out
     assert glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.xplane.pb"))

@@ -16,11 +16,11 @@ from gpupar.training.checkpoint import WITHIN_EPOCH
 from gpupar.errors import GpuparError
 
 # Deterministic: no dropout, fixed seed, data order fixed by (seed, step).
-RUN = ["--epochs=3", "--batch_size=16", "--dropout=0", "--seed=0", "--display_step=1", "--checkpoint_every_steps=2"]
+RUN = ["--epochs=3", "--per_replica_batch_size=16", "--dropout=0", "--seed=0", "--display_step=1", "--checkpoint_every_steps=2"]
 
 
 def _fit(idx_dir, **options):
-    defaults = dict(data_dir=idx_dir, epochs=1, batch_size=16, dropout=0.0, seed=0, display_step=100)
+    defaults = dict(data_dir=idx_dir, epochs=1, per_replica_batch_size=16, dropout=0.0, seed=0, display_step=100)
     return gpupar.fit_mnist(**{**defaults, **options})
 
 
@@ -69,7 +69,7 @@ def test_step_checkpoints_and_mid_epoch_resume_match_an_uninterrupted_run(shared
     resumed = _fit(shared_idx_dir, model_dir=model_dir, resume=os.path.join(model_dir, WITHIN_EPOCH, "step-15"),
                    epochs=3)
     # Step 16 of 16, then 2 epochs; the first epoch's record covers all 16 steps, 15 of them before.
-    assert resumed.start_epoch == 0 and (resumed.history[0].steps, resumed.history[0].resumed_at_step) == (16, 15)
+    assert resumed.start_epoch == 0 and (resumed.records[0].steps, resumed.records[0].resumed_at_step) == (16, 15)
     assert _close(resumed.model.get_weights(), reference)
 
 
@@ -194,11 +194,11 @@ def test_nan_policy_skip_drops_poisoned_steps_and_keeps_training(shared_idx_dir,
     _poison_every_third_batch(monkeypatch)
     expected = _poisoned_per_epoch(shared_idx_dir, 2, 32)
     assert 0 < sum(expected) < 16
-    result = _fit(shared_idx_dir, strategy=kind, virtual_cpus=2, batch_size=32 // (2 if kind == "mirrored" else 1),
+    result = _fit(shared_idx_dir, strategy=kind, virtual_cpus=2, per_replica_batch_size=32 // (2 if kind == "mirrored" else 1),
                   epochs=2, nan_policy="skip", display_step=1)
-    assert [r.skipped_steps for r in result.history] == expected
+    assert [r.skipped_steps for r in result.records] == expected
     assert all(np.isfinite(w).all() for w in result.model.get_weights())  # BN statistics included
-    assert np.isfinite(result.history[1].train_loss) and result.test_accuracy > 0.0
+    assert np.isfinite(result.records[1].train_loss) and result.test_accuracy > 0.0
 
 
 @pytest.mark.parametrize("steps_per_call", [1, None])
@@ -214,7 +214,7 @@ def test_nan_policy_stop_names_epoch_and_step(shared_idx_dir, monkeypatch, tmp_p
     # capped at the epoch), and the host only sees its sum.
     where = f"step {first_bad}" if steps_per_call == 1 else r"one of steps 1\.\.8"
     with pytest.raises(GpuparError, match=rf"training loss became nan at epoch 0, {where}; stopped without saving"):
-        _fit(shared_idx_dir, batch_size=32, epochs=2, display_step=100, model_dir=str(tmp_path / "run"),
+        _fit(shared_idx_dir, per_replica_batch_size=32, epochs=2, display_step=100, model_dir=str(tmp_path / "run"),
              steps_per_call=steps_per_call)
     assert not os.path.exists(tmp_path / "run" / "ckpt-1.index")
 
@@ -233,7 +233,7 @@ def test_full_disk_during_a_save_keeps_the_last_checkpoint(shared_idx_dir, tmp_p
 
     result = subprocess.run(
         [sys.executable, "-m", "gpupar", f"--data_dir={shared_idx_dir}", f"--model_dir={model_dir}", "--resume",
-         "--epochs=2", "--steps_per_epoch=2", "--batch_size=16", "--dropout=0"],
+         "--epochs=2", "--steps_per_epoch=2", "--per_replica_batch_size=16", "--dropout=0"],
         capture_output=True, text=True, timeout=300, preexec_fn=disk_nearly_full,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
@@ -260,9 +260,9 @@ def test_many_skipped_steps_do_not_wear_out_the_loss_scale(shared_idx_dir, monke
 
     monkeypatch.setattr(mnist, "normalise", mostly_poisoned)
     result = _fit(shared_idx_dir, epochs=16, nan_policy="skip", display_step=16)
-    skipped = sum(r.skipped_steps for r in result.history)
+    skipped = sum(r.skipped_steps for r in result.records)
     assert 160 < skipped < 256  # most, not all, of the 256 steps: past where an unreset scale is 0
-    assert result.history[-1].skipped_steps < 16  # the clean batches still train at the end
+    assert result.records[-1].skipped_steps < 16  # the clean batches still train at the end
 
 
 def test_mid_epoch_checkpoint_resumes_with_another_global_batch(shared_idx_dir, tmp_path, capsys):
@@ -273,7 +273,7 @@ def test_mid_epoch_checkpoint_resumes_with_another_global_batch(shared_idx_dir, 
     # 6 steps of 16 examples are 3 steps of 32 (two replicas of 16): the epoch goes on from step 3 of 8.
     result = _fit(shared_idx_dir, model_dir=model_dir, resume=path, strategy="mirrored", virtual_cpus=2)
     # The record covers the epoch: the 6 earlier steps of 16 and this run's 5 of 32.
-    assert result.start_epoch == 0 and (result.history[0].steps, result.history[0].resumed_at_step) == (11, 3)
+    assert result.start_epoch == 0 and (result.records[0].steps, result.records[0].resumed_at_step) == (11, 3)
     assert "continues at step 3, on a data order of its own" in capsys.readouterr().out
 
 
@@ -291,7 +291,7 @@ def test_nan_gradient_behind_a_finite_loss_is_never_saved(tmp_path):
     x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
     y = (x[:, 0] > 0).astype("int32")
     with pytest.raises(GpuparError, match=r"the weights became non-finite \(a NaN or Inf gradient\) by epoch 0, step 1"):
-        gpupar.fit(lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), (x, y),
+        gpupar.fit(lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), x, y,
                    loss=finite_loss_nan_gradient, epochs=1, steps_per_epoch=1, batch_size=16,
                    model_dir=str(tmp_path / "run"))
     assert not os.path.exists(tmp_path / "run" / "ckpt-1.index")

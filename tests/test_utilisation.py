@@ -76,9 +76,9 @@ def test_sampler_reads_each_gpu_and_skips_failed_readings():
 def test_training_here_says_there_is_no_gpu_to_sample(shared_idx_dir, capsys):
     import gpupar
 
-    result = gpupar.fit_mnist(data_dir=shared_idx_dir, epochs=1, batch_size=64, steps_per_epoch=2)
+    result = gpupar.fit_mnist(data_dir=shared_idx_dir, epochs=1, per_replica_batch_size=64, steps_per_epoch=2)
     assert "GPU utilisation: no GPU in use, nothing to sample" in capsys.readouterr().out
-    assert result.history[0].gpu_util_percent is None
+    assert result.records[0].gpu_util_percent is None
 
 
 def test_start_sampler_logs_its_decision(caplog):

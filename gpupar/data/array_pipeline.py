@@ -5,12 +5,22 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from gpupar.errors import GpuparError
+
+
+def no_autotune() -> tf.data.Options:
+    """Options that turn tf.data's autotune off and change nothing else (for pipelines of the user's)."""
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return options
 
 
 def options(deterministic=True, threads=None):
-    """tf.data options for gpupar's pipelines: DATA auto-sharding, the order, a private thread pool."""
+    """tf.data options for gpupar's pipelines: DATA auto-sharding, the order, no autotune, a private thread pool."""
     options = tf.data.Options()
+    # Autotune's thread makes destroying an iterator wait until it next wakes (seconds, minutes
+    # after many fits: every process with fits in it hung at exit). Without it AUTOTUNE maps run
+    # on every core and the runs here are as fast (benchmarks/README.md).
+    options.autotune.enabled = False
     # The data sit in memory and are batched by the global batch: the strategy splits each
     # batch across replicas (and, on several workers, each worker keeps its share of batches).
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
@@ -22,59 +32,66 @@ def options(deterministic=True, threads=None):
 
 
 def batches_per_epoch(num_examples: int, global_batch: int) -> int:
-    """Full global batches in one pass over the training set."""
-    if num_examples < global_batch:
-        raise GpuparError(
-            f"the training set has {num_examples} examples, fewer than one global batch of "
-            f"{global_batch}; lower batch_size"
-        )
-    return num_examples // global_batch
+    """Global batches in one pass over the training set, a last partial one included (as Keras' fit)."""
+    return math.ceil(num_examples / global_batch)
+
+
+def as_tensors(arrays):
+    """The structure's arrays as tensors; ragged tensors stay as they are."""
+    return tf.nest.map_structure(lambda a: a if isinstance(a, tf.RaggedTensor) else tf.constant(a), arrays,
+                                 expand_composites=False)
+
+
+def rows(array) -> int:
+    """Examples (rows) in an array, a tensor or a ragged tensor."""
+    return int(array.shape[0])
 
 
 def train_dataset(arrays, global_batch: int, seed: int, start_step: int = 0, transform=None, host_transform=None,
-                  num_parallel_calls=None, deterministic: bool = True, threads=None) -> tf.data.Dataset:
+                  num_parallel_calls=None, deterministic: bool = True, threads=None,
+                  shuffle: bool = True) -> tf.data.Dataset:
     """Endless training batches of in-memory arrays: each pass over them is a fresh permutation.
 
     `arrays` is a structure (a tuple such as (x, y) or (x, y, sample_weight), whose parts may be
     dicts or tuples) of arrays with one row per example. The permutation of pass p depends only
     on (seed, p), so a run resumed at `start_step` sees the same batches as one that never
-    stopped. The arrays stay in memory as they are (the cache); `transform` maps each batch after
-    it is drawn; `host_transform(example, pass_number, position)` instead maps each example on
-    the host before batching (the classic per-image augmentation). `num_parallel_calls` None
-    lets tf.data tune the parallelism; `deterministic` False lets a ready element overtake a slow
-    one, so the order (and, with a host transform, which examples share a batch) may change, and a
-    resumed run may see a batch twice and miss another.
+    stopped; shuffle=False keeps the arrays' order. Each pass ends with a partial batch where the
+    examples do not fill the last one, as in Keras' fit. The arrays stay in memory as they are (the
+    cache); `transform` maps each batch after it is drawn; `host_transform(example, pass_number,
+    position)` instead maps each example on the host before batching (the classic per-image
+    augmentation). `num_parallel_calls` None lets tf.data tune the parallelism; `deterministic`
+    False lets a ready element overtake a slow one, so the order (and, with a host transform, which
+    examples share a batch) may change, and a resumed run may see a batch twice and miss another.
     """
-    arrays = tf.nest.map_structure(tf.constant, arrays)
-    num_examples = int(tf.nest.flatten(arrays)[0].shape[0])
+    arrays = as_tensors(arrays)
+    num_examples = rows(tf.nest.flatten(arrays)[0])
     per_pass = batches_per_epoch(num_examples, global_batch)
     first_pass, skip = divmod(start_step, per_pass)
     parallel = tf.data.AUTOTUNE if num_parallel_calls is None else num_parallel_calls
 
     def order(number):
+        if not shuffle:
+            return tf.range(num_examples)
         return tf.random.experimental.stateless_shuffle(
-            tf.range(num_examples), seed=tf.stack([tf.constant(seed, tf.int64), number])
-        )[: per_pass * global_batch]
+            tf.range(num_examples), seed=tf.stack([tf.constant(seed, tf.int64), number]))
 
     def gather(index):
         return tf.nest.map_structure(lambda array: tf.gather(array, index), arrays)
 
     passes = tf.data.Dataset.range(first_pass, np.iinfo(np.int64).max)
     if host_transform is not None:
-        # The classic way: a map over single examples, each transformed on the CPU.
-        def examples(number):
-            positions = tf.range(per_pass * global_batch, dtype=tf.int64)
-            return tf.data.Dataset.from_tensor_slices((order(number), positions)).map(
-                lambda index, position: (number, position, index))
+        # The classic way: a map over single examples, each transformed on the CPU; a pass's
+        # examples are batched within the pass, the examples of skipped batches never drawn.
+        def one_pass(number):
+            start = tf.where(number == first_pass, tf.cast(skip * global_batch, tf.int64), tf.constant(0, tf.int64))
+            positions = tf.range(num_examples, dtype=tf.int64)
+            examples = tf.data.Dataset.from_tensor_slices((order(number), positions)).skip(start)
+            return examples.map(lambda index, position: host_transform(gather(index), number, position),
+                                num_parallel_calls=parallel).batch(global_batch)
 
-        def one(number, position, index):
-            return host_transform(gather(index), number, position)
-
-        ds = passes.flat_map(examples).skip(skip * global_batch).map(one, num_parallel_calls=parallel)
-        ds = ds.batch(global_batch, drop_remainder=True)
+        ds = passes.flat_map(one_pass)
     else:
-        ds = passes.flat_map(
-            lambda number: tf.data.Dataset.from_tensor_slices(order(number)).batch(global_batch, drop_remainder=True))
+        ds = passes.flat_map(lambda number: tf.data.Dataset.from_tensor_slices(order(number)).batch(global_batch))
         ds = ds.skip(skip).map(lambda index: _applied(transform, gather(index)), num_parallel_calls=parallel)
     return ds.prefetch(tf.data.AUTOTUNE).with_options(options(deterministic, threads))
 
@@ -84,10 +101,10 @@ def _applied(transform, batch):
 
 
 def eval_dataset(arrays, global_batch: int, transform=None) -> tf.data.Dataset:
-    """The whole of the arrays in order, last partial batch included, repeated for one iterator per run."""
-    ds = tf.data.Dataset.from_tensor_slices(arrays).batch(global_batch)
-    ds = ds.map(lambda *batch: _applied(transform, batch), num_parallel_calls=tf.data.AUTOTUNE).cache().repeat()
-    return ds.prefetch(tf.data.AUTOTUNE).with_options(options())
+    """The whole of the arrays once, in order, last partial batch included, cached: repeat it for one iterator per run."""
+    ds = tf.data.Dataset.from_tensor_slices(as_tensors(arrays)).batch(global_batch)
+    ds = ds.map(lambda *batch: _applied(transform, batch), num_parallel_calls=tf.data.AUTOTUNE).cache()
+    return ds.with_options(options())
 
 
 def test_steps(num_examples: int, global_batch: int) -> int:

@@ -66,15 +66,25 @@ class MnistOptions(Options):
 
 
 OPTION_NAMES = MnistOptions.field_names()
+# The Config options whose defaults the presets (and so the gpupar command) set otherwise than model.fit's.
+PRESET_DEFAULTS = {"epochs": 5, "display_step": 10, "verbose": 2}
+PER_REPLICA_BATCH = 1024  # the presets' batch, per replica, where neither batch option is given
 
 
 def mnist_options(config: Optional[Config] = None, preset: Optional[MnistOptions] = None, options=None):
     """(Config, MnistOptions) from flat options over `config` and `preset` (the defaults where None).
 
+    Without a `config`, the presets' own defaults apply where the options say nothing: 5 epochs,
+    a progress line every 10 steps, one line per epoch, and 1024 examples per replica.
+
     Raises:
       GpuparError: an unknown option, or a bad value.
     """
     options = dict(options or {})
+    if config is None:
+        options = {**PRESET_DEFAULTS, **{k: v for k, v in options.items() if v is not None or k not in PRESET_DEFAULTS}}
+        if options.get("batch_size") is None and options.get("per_replica_batch_size") is None:
+            options["per_replica_batch_size"] = PER_REPLICA_BATCH
     unknown = sorted(set(options) - set(field_names()) - set(OPTION_NAMES))
     if unknown:
         raise GpuparError(f"unknown option(s) {', '.join(unknown)}; valid options are: "

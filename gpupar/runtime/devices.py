@@ -162,14 +162,20 @@ def gpu_memory(num_gpus: int, environ=None) -> Tuple[Tuple[Optional[int], ...], 
     return tuple(g.total_mb if g else None for g in matched), tuple(g.free_mb if g else None for g in matched)
 
 
-def configure_devices(config) -> DevicePlan:
-    """Applies the device options (a Config's DeviceSetup) to TensorFlow; call it before any other TF work.
+def configure_devices(config=None, **options) -> DevicePlan:
+    """Applies the device options to TensorFlow: the one call at the top of a script, before any other TF work.
 
-    If TensorFlow has already set up its devices, a request it can still honour (the same or
-    fewer virtual CPUs, no GPU change) is accepted.
+        gpupar.configure_devices(virtual_cpus=2)        # or memory_growth=True, gpus="0,1", ...
+
+    Everything after it may make datasets, adapt() layers or optimizers; gpupar.fit, given the
+    same device options, finds the devices set up. If TensorFlow has already set up its devices, a
+    request it can still honour (the same or fewer virtual CPUs, no GPU change) is accepted.
 
     Args:
-      config: A gpupar.config.DeviceSetup (or a gpupar.Config, whose device_setup is read).
+      config: A gpupar.config.DeviceSetup, or a gpupar.Config (its device_setup is read); None:
+        the options.
+      **options: DeviceSetup fields (gpus, memory_growth, memory_limit_mb, memory_fraction,
+        soft_placement, log_placement, virtual_cpus, intra_op_threads, inter_op_threads).
 
     Returns:
       The DevicePlan that was applied.
@@ -179,7 +185,10 @@ def configure_devices(config) -> DevicePlan:
     """
     import tensorflow as tf
 
-    config = getattr(config, "device_setup", config)
+    from gpupar.config import Config
+
+    config = getattr(config, "device_setup", config) if config is not None else Config(**options).device_setup
+
     physical_gpus = tf.config.list_physical_devices("GPU")
     totals, free = gpu_memory(len(physical_gpus)) if config.memory_fraction is not None else (None, None)
     plan = plan_devices(
@@ -253,8 +262,9 @@ def _accept_initialised_runtime(tf, plan, physical_gpus, error):
     if gpu_change or (plan.virtual_cpus or 1) > logical_cpus:
         raise TensorFlowStarted(
             "TensorFlow has already initialised its devices, so the device settings can no longer "
-            f"change (TensorFlow said: {error}). Call gpupar.configure_devices (or fit_mnist) "
-            "before any other TensorFlow work, or start a fresh process."
+            f"change (TensorFlow said: {error}): something ran TensorFlow first (a dataset, adapt(), a metric "
+            "or optimizer object). Call gpupar.configure_devices(...) with the device options first thing in "
+            "the script, or start a fresh process."
         ) from None
     log.info(
         "TensorFlow's devices were already initialised with %d logical CPU(s); using %d of them",

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional
 from gpupar.errors import GpuparError
 from gpupar.runtime import network
 from gpupar.runtime.cluster import Cluster, tf_config
+from gpupar.runtime.startup import start_up_line, wants_start_up_lines
 
 GRACE_SECONDS = 30.0
 
@@ -108,10 +109,14 @@ class Task:
     reader: threading.Thread
 
 
-def _stream(prefix: str, pipe, out, lock):
+def _stream(prefix: str, pipe, out, lock, quiet: bool):
+    """Relays a task's output, each line prefixed with its name; TensorFlow's C++ chatter left out where quiet."""
     for line in iter(pipe.readline, b""):
+        text = line.decode(errors="replace")
+        if quiet and start_up_line(text):
+            continue
         with lock:
-            out.write(f"[{prefix}] {line.decode(errors='replace')}")
+            out.write(f"[{prefix}] {text}")
             out.flush()
     pipe.close()
 
@@ -167,6 +172,7 @@ class Launcher:
     def start(self, job: str, index: int, command: List[str]):
         cluster = Cluster({j: tuple(a) for j, a in self.jobs.items()}, job, index, "TF_CONFIG")
         env = dict(os.environ, TF_CONFIG=tf_config(cluster), PYTHONUNBUFFERED="1")
+        quiet = not wants_start_up_lines(command, env)  # sets TF_CPP_MIN_LOG_LEVEL=2 unless asked for the lines
         gpus = self.assigned[cluster.task_name]
         if self.gpus:  # "" hides every GPU from a task that gets none
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
@@ -174,7 +180,7 @@ class Launcher:
             command, env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,  # own process group
         )
-        reader = threading.Thread(target=_stream, args=(cluster.task_name, process.stdout, self.out, self.lock),
+        reader = threading.Thread(target=_stream, args=(cluster.task_name, process.stdout, self.out, self.lock, quiet),
                                   daemon=True)
         reader.start()
         self.tasks[cluster.task_name] = Task(cluster.task_name, cluster, process, reader)

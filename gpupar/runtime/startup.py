@@ -17,9 +17,17 @@ Python per batch), and "not optimized" concerns that wrapper, not gpupar's pipel
 
 import contextlib
 import os
+import re
 import sys
 import tempfile
 from typing import MutableMapping, Sequence
+
+# TensorFlow's C++ log lines: "I0000 00:00:1796461724.173709    2055 port.cc:153] ...".
+_CPP_LINE = re.compile(r"^([IWEF])\d{4} [\d:.]+\s+\d+ [\w./-]+:\d+\] ")
+# What TensorFlow writes as it starts without a GPU, errors included (there is no GPU to find).
+_START_UP_ERRORS = ("cuInit", "Unable to register", "cuda_platform", "cuda_dnn", "cuda_fft", "cuda_blas")
+_START_UP_TEXT = ("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+                  "To enable the following instructions:")
 
 
 def wants_start_up_lines(argv: Sequence[str], environ: MutableMapping[str, str]) -> bool:
@@ -50,6 +58,18 @@ def _stderr_held():
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
+
+
+def start_up_line(line: str) -> bool:
+    """Whether a line of a task's output is TensorFlow's C++ chatter: an INFO or WARNING line, or a start-up error.
+
+    gpupar launch leaves these out of what it relays from a launched script, as the gpupar
+    command hides them from its own output; a real error line of TensorFlow's is kept.
+    """
+    if line.startswith(_START_UP_TEXT):
+        return True
+    found = _CPP_LINE.match(line)
+    return bool(found) and (found.group(1) in "IW" or any(word in line for word in _START_UP_ERRORS))
 
 
 def start_tensorflow(show_lines: bool):

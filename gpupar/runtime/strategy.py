@@ -267,15 +267,16 @@ def _choose_all_reduce(requested, devices, platform):
     return requested
 
 
-def check_jit_compile(jit_compile: bool, plan: Plan):
-    """Refuses jit_compile where tf.distribute cannot compile the step: several replicas on CPUs.
+def jit_compile_refusal(plan: Plan) -> Optional[str]:
+    """Why XLA cannot compile a replica's step on this plan (several replicas on CPUs), or None where it can.
 
     Between GPUs a MirroredStrategy replica's step compiles with its NCCL all-reduce; on CPU
-    devices XLA has no cross-replica collectives.
+    devices XLA has no cross-replica collectives, so the step runs without XLA there.
     """
-    if jit_compile and plan.num_replicas > 1 and not all(d.startswith("/gpu:") for d in plan.devices):
-        raise GpuparError(f"jit_compile with {plan.num_replicas} replicas needs GPUs (XLA cannot compile tf.distribute's "
-                          "all-reduce between CPU devices); drop jit_compile or use one device")
+    if plan.num_replicas > 1 and not all(d.startswith("/gpu:") for d in plan.devices):
+        return (f"jit_compile: XLA cannot compile tf.distribute's all-reduce between the {plan.num_replicas} CPU "
+                "replicas, so the step runs without XLA (it compiles on one device, or between GPUs)")
+    return None
 
 
 SHARD_BYTES = 256 << 10  # parameter servers: variables this large or larger are split, in shards at least this large

@@ -1,20 +1,14 @@
-"""Working around TensorFlow 2.21's slow teardown of distributed tf.data iterators.
+"""Leaving a command without interpreter teardown.
 
-Destroying one blocks until its tf.data autotune thread next wakes up, which after a few minutes
-of training is tens of seconds (seen 5-35 s here, minutes for a whole test session). gpupar keeps
-its iterators for the life of the process, and its commands leave without interpreter teardown.
+Destroying a tf.data iterator whose pipeline runs tf.data's autotune blocks until its autotune
+thread next wakes up (seen 5-35 s here, minutes for a whole test session). gpupar's pipelines run
+without autotune (gpupar.data.array_pipeline.options), so a run's iterators go with the run; the
+commands, and the test session, still end at once once everything is flushed, whatever the
+user's pipelines hold.
 """
 
 import os
 import sys
-
-_KEPT = []
-
-
-def keep_for_process(iterator):
-    """Keeps an iterator alive until the process ends, and returns it."""
-    _KEPT.append(iterator)
-    return iterator
 
 
 def exit_without_teardown(status: int):

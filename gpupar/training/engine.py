@@ -10,7 +10,6 @@ names, and never which mode made it.
 import dataclasses
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from gpupar.runtime.teardown import keep_for_process
 from gpupar.training.inner_loop import Results
 from gpupar.training.step import make_finite_check
 
@@ -67,8 +66,10 @@ class Prepared:
       train: The training data's adapter, prepared.
       evaluation: The evaluation data's adapter, prepared, or None.
       global_batch: Examples in one update.
+      eval_batch: Examples in one evaluation step over all replicas.
       steps_per_epoch: Updates in one epoch.
       distribution: The Config's Distribution options.
+      input: The Config's InputOptions.
       step: The Config's StepOptions.
       loop: The Config's LoopOptions.
       seed: The run's seed.
@@ -86,8 +87,10 @@ class Prepared:
     train: Any
     evaluation: Any
     global_batch: int
+    eval_batch: int
     steps_per_epoch: int
     distribution: Any
+    input: Any
     step: Any
     loop: Any
     seed: int
@@ -171,8 +174,8 @@ class Engine:
     lockstep_workers: bool = False
 
     def start(self, first_step: int, limit: Optional[int] = None):
-        """The training input from a global step (after restoring; at most `limit` steps), kept for the process."""
-        return keep_for_process(self.make_input(first_step, limit))
+        """The training input from a global step (after restoring; at most `limit` steps)."""
+        return self.make_input(first_step, limit)
 
     def run_calls(self, iterator, steps: int, first_call: bool = False) -> Results:
         """Runs `steps` steps from `iterator` in calls of steps_per_call, as training does; their summed results.

@@ -5,6 +5,7 @@ through `steps_in_one_call`: the host reads results once per call, never once pe
 """
 
 import dataclasses
+import logging
 from typing import Mapping, Optional
 
 import numpy as np
@@ -14,13 +15,32 @@ import tensorflow as tf
 SUM = tf.distribute.ReduceOp.SUM
 
 
+class _RetracingNotes(logging.Filter):
+    """Drops TensorFlow's "triggered tf.function retracing" warning about the K-steps calls.
+
+    Every run makes its calls anew (its model and strategy are its own), so a process with many
+    fits (a notebook, a search, a test session) makes them many times: the warning's own reason
+    (1), which is no fault here.
+    """
+
+    def filter(self, record):
+        message = record.getMessage()
+        return not ("retracing" in message and ("steps_in_one_call" in message or "make_finite_check" in message))
+
+
+logging.getLogger("tensorflow").addFilter(_RetracingNotes())
+
+
 @dataclasses.dataclass
 class Results:
     """Sums over the steps one call finished, on the host.
 
     Attributes:
       steps: Steps finished.
-      loss: Sum of their losses, each the mean over its global batch (0 for a step skipped as non-finite).
+      loss: Sum over the steps of each one's loss (the mean over its global batch) times its
+        examples, as Keras' epoch loss weighs them (0 for a step skipped as non-finite).
+      kept_examples: Examples of those steps, skipped ones left out.
+      examples: Examples of those steps, skipped ones included.
       states: The metrics' states summed over the steps (gpupar.training.objective), flattened.
       waited: Seconds the devices waited for input batches; None where not timed.
       busy: Seconds of the steps themselves; None where not timed.
@@ -29,6 +49,8 @@ class Results:
 
     steps: int = 0
     loss: float = 0.0
+    kept_examples: float = 0.0
+    examples: float = 0.0
     states: list = dataclasses.field(default_factory=list)
     waited: Optional[float] = None
     busy: Optional[float] = None
@@ -43,8 +65,9 @@ class Results:
             workers[worker] = workers.get(worker, 0) + steps
         states = [mine + theirs for mine, theirs in zip(self.states, other.states)] if self.states and other.states else (
             self.states or other.states)
-        return Results(self.steps + other.steps, self.loss + other.loss, states,
-                       plus(self.waited, other.waited), plus(self.busy, other.busy), workers)
+        return Results(self.steps + other.steps, self.loss + other.loss, self.kept_examples + other.kept_examples,
+                       self.examples + other.examples, states, plus(self.waited, other.waited),
+                       plus(self.busy, other.busy), workers)
 
 
 def all_finite(tensors):
@@ -146,6 +169,16 @@ def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_it
     return timed_run if timed else run
 
 
+def weighed(loss, rows):
+    """(loss x rows, rows, rows) of a step: what its call sums for the epoch's loss and its examples."""
+    rows = tf.cast(rows, tf.float32)
+    return loss * rows, rows, rows
+
+
 def unpack(batch):
-    """(x, y, sample_weight or None) of a batch of (x, y) or (x, y, sample_weight)."""
-    return (*batch, None) if len(batch) == 2 else tuple(batch)
+    """(x, y or None, sample_weight or None) of a batch of x, (x,), (x, y) or (x, y, sample_weight), as Keras unpacks it."""
+    if isinstance(batch, list):
+        batch = tuple(batch)
+    if not isinstance(batch, tuple):
+        return batch, None, None
+    return tuple(batch) + (None,) * (3 - len(batch))

@@ -63,12 +63,12 @@ class EpochTotals:
     def copy(self) -> "EpochTotals":
         return EpochTotals.from_dict(self.to_dict())
 
-    def add(self, results: Results, skipped: int, global_batch: int):
+    def add(self, results: Results, skipped: int):
         """Adds one call's finished steps, `skipped` of them dropped as non-finite."""
         self.steps, self.skipped = self.steps + results.steps, self.skipped + skipped
-        self.examples += results.steps * global_batch
-        self.kept_examples += (results.steps - skipped) * global_batch
-        self.loss += results.loss * global_batch
+        self.examples += int(results.examples)
+        self.kept_examples += int(results.kept_examples)
+        self.loss += results.loss
         if results.states:
             self.states = [np.add(total, more).tolist() for total, more in zip(self.states, results.states)] if self.states else [
                 np.asarray(s).tolist() for s in results.states]
@@ -157,7 +157,7 @@ class Loop:
         """Adds the steps a call reports (`skipped` of them non-finite); tells the observers; a progress line when due."""
         engine = self.engine
         before, current.finished = current.finished, current.finished + results.steps
-        current.totals.add(results, skipped, engine.global_batch)
+        current.totals.add(results, skipped)
         loss = current.totals.loss
         if not math.isfinite(loss):
             where = f"step {current.finished}" if before + 1 == current.finished else \
@@ -166,8 +166,9 @@ class Loop:
                               f"{_stopped_without_saving(self.checkpoints.latest)}")
         self.observers.on_call_end(CallEnd(self.done, current.epoch, current.finished, results,
                                            lambda: current.totals.logs(engine.objective)))
-        if results.steps and (_crosses(before, current.finished, self.options.display_step)
-                              or current.finished == engine.steps_per_epoch or self.stop.signum):
+        display = self.options.display_step
+        if results.steps and display and (_crosses(before, current.finished, display)
+                                          or current.finished == engine.steps_per_epoch or self.stop.signum):
             self._progress(current)
 
     def _progress(self, current: _Epoch):
@@ -233,8 +234,9 @@ class Loop:
         totals = current.totals
         totals.seconds += time.perf_counter() - current.began
         figures = self.observers.epoch_figures()  # before the evaluation, which they do not measure
+        evaluation = self.engine.evaluate() if self.options.evaluates_after(current.epoch) else {}
         return EpochRecord(
-            epoch=current.epoch, logs={**totals.logs(self.engine.objective), **self.engine.evaluate()},
+            epoch=current.epoch, logs={**totals.logs(self.engine.objective), **evaluation},
             seconds=totals.seconds, examples_per_second=totals.examples / totals.seconds, steps=totals.steps,
             skipped_steps=totals.skipped, resumed_at_step=current.start.step,
             updates_by_worker=dict(totals.by_worker) or None, **figures)

@@ -1,8 +1,10 @@
 """What training minimises and reports: the loss over the GLOBAL batch, and Keras metrics combined over replicas.
 
 Loss: whatever is given (a Keras name, a keras.losses.Loss, or a function(y_true, y_pred) of one
-value per example), gpupar takes the per-example values and reduces them as the loss's own
-reduction says, over all replicas at once: each replica divides its weighted sum by the global
+value per example) is resolved as Keras' compile resolves it: a name or a function becomes a
+keras.losses.LossFunctionWrapper, whose call brings labels of shape (N,) and outputs of shape
+(N, 1) to the same rank. gpupar takes the per-example values and reduces them as the loss's own
+reduction says, over all replicas at once, each output's times its loss_weight: each replica divides its weighted sum by the global
 denominator (the number of values for "sum_over_batch_size" and "mean", the sum of the sample
 weights for "mean_with_sample_weight"), one scalar all-reduce per step, so the replicas' sum is
 the loss of the whole global batch, a last partial batch included. A Keras loss object's own
@@ -16,17 +18,19 @@ over batches is refused before training.
 """
 
 import dataclasses
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import keras
 import numpy as np
 import tensorflow as tf
+# Keras' own resolution of loss and metric names (the one its compile uses), so that every name
+# means what it means in Keras: "crossentropy" and "accuracy" by the labels' and outputs' shapes.
+from keras.src.trainers.compile_utils import get_loss, get_metric
 
 from gpupar.errors import GpuparError
 
 SUM = tf.distribute.ReduceOp.SUM
 REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight", "sum")
-_ACCURACY = ("accuracy", "acc")
 
 
 @dataclasses.dataclass
@@ -38,15 +42,18 @@ class LossTerm:
     reduction: str
     name: str
     sparse: bool = False  # sparse categorical cross-entropy: integer labels that must index the outputs
+    weight: float = 1.0  # the output's loss_weight
 
 
 @dataclasses.dataclass
 class MetricTerm:
-    """One Keras metric on one output, under the name the logs give it."""
+    """One Keras metric on one output, under the name the logs give it; only weighted ones see sample weights."""
 
     key: Any
     metric: Any
     name: str
+    weighted: bool = False
+    loss: Optional[LossTerm] = None  # a multi-output model's per-output loss, logged as Keras logs it
 
 
 def _part(structure, key):
@@ -61,66 +68,41 @@ def _output_keys(y_pred) -> list:
     return [None]
 
 
-def _looked_up(get, name: str):
-    """Keras' get(name) (keras.losses.get, keras.metrics.get), or None for a name Keras does not know."""
-    try:
-        return get(name)
-    except ValueError:
-        return None
-
-
-def _loss_term(spec, key, where) -> LossTerm:
+def _loss_term(spec, key, where, y_true, y_pred, weight=1.0) -> LossTerm:
     """The LossTerm of one loss given as a Keras name, a keras.losses.Loss (or its class), or a function."""
-    if isinstance(spec, str):
-        spec = _looked_up(keras.losses.get, spec)
-        if spec is None:
-            raise GpuparError(f"loss{where}: unknown Keras loss name; use one such as "
-                              "'sparse_categorical_crossentropy', 'categorical_crossentropy', 'mse', or pass a "
-                              "keras.losses.Loss or a function(y_true, y_pred)")
     if isinstance(spec, type) and issubclass(spec, keras.losses.Loss):
         spec = spec()
+    if not isinstance(spec, (str, keras.losses.Loss)) and not callable(spec):
+        raise GpuparError(f"loss{where} is a {type(spec).__name__}; give a Keras loss name, a keras.losses.Loss or a "
+                          "function(y_true, y_pred)")
+    try:
+        loss = get_loss(spec, y_true, y_pred)
+    except ValueError:
+        raise GpuparError(f"loss{where}: unknown Keras loss name; use one such as 'sparse_categorical_crossentropy', "
+                          "'categorical_crossentropy', 'mse', or pass a keras.losses.Loss or a function(y_true, "
+                          "y_pred)") from None
     # Keras' loss objects keep their function as .fn; the name can be the user's own.
-    sparse = getattr(spec, "fn", spec) is keras.losses.sparse_categorical_crossentropy
-    if isinstance(spec, keras.losses.Loss):
-        reduction = spec.reduction
-        if reduction not in REDUCTIONS:
-            raise GpuparError(f"loss{where}: reduction={reduction!r} leaves the loss unreduced; gpupar averages it over "
-                              f"the global batch as the reduction says: use one of {', '.join(REDUCTIONS)}")
-        return LossTerm(key, spec.call, reduction, spec.name, sparse)
-    if callable(spec):
-        return LossTerm(key, spec, "sum_over_batch_size", getattr(spec, "__name__", "loss"), sparse)
-    raise GpuparError(f"loss{where} is a {type(spec).__name__}; give a Keras loss name, a keras.losses.Loss or a "
-                      "function(y_true, y_pred)")
+    sparse = getattr(loss, "fn", loss) is keras.losses.sparse_categorical_crossentropy
+    if loss.reduction not in REDUCTIONS:
+        raise GpuparError(f"loss{where}: reduction={loss.reduction!r} leaves the loss unreduced; gpupar averages it over "
+                          f"the global batch as the reduction says: use one of {', '.join(REDUCTIONS)}")
+    return LossTerm(key, loss.call, loss.reduction, loss.name, sparse, float(weight))
 
 
 def _metric(spec, y_true, y_pred, where):
     """A fresh Keras metric object for `spec` (a name, a Metric, or a function), as Keras' compile resolves it."""
-    if isinstance(spec, str) and spec in _ACCURACY:
-        # As Keras' compile: the accuracy that fits the labels and the outputs.
-        if y_pred.shape[-1] == 1:
-            return keras.metrics.BinaryAccuracy(name="accuracy")
-        if np.ndim(y_true) == len(y_pred.shape) and np.shape(y_true)[-1] == y_pred.shape[-1]:
-            return keras.metrics.CategoricalAccuracy(name="accuracy")
-        return keras.metrics.SparseCategoricalAccuracy(name="accuracy")
-    if isinstance(spec, str):
-        found = _looked_up(keras.metrics.get, spec)
-        if found is None:
-            raise GpuparError(f"metrics{where}: {spec!r} is not a Keras metric name; use one such as 'accuracy', "
-                              "'mae', 'auc', or pass a keras.metrics.Metric")
-        # Logged under the name given, as Keras' compile logs it.
-        if isinstance(found, type) and issubclass(found, keras.metrics.Metric):
-            return found(name=spec)
-        if isinstance(found, keras.metrics.Metric):
-            return found.__class__.from_config({**found.get_config(), "name": spec})
-        return keras.metrics.MeanMetricWrapper(found, name=spec)
     if isinstance(spec, type) and issubclass(spec, keras.metrics.Metric):
         return spec()
     if isinstance(spec, keras.metrics.Metric):
         return spec.__class__.from_config(spec.get_config())  # a fresh one, with variables on the host
-    if callable(spec):
-        return keras.metrics.MeanMetricWrapper(spec, name=getattr(spec, "__name__", "metric"))
-    raise GpuparError(f"metrics{where}: {spec!r} is not a metric; give Keras metric names or keras.metrics.Metric "
-                      "objects")
+    if not isinstance(spec, str) and not callable(spec):
+        raise GpuparError(f"metrics{where}: {spec!r} is not a metric; give Keras metric names or keras.metrics.Metric "
+                          "objects")
+    try:
+        return get_metric(spec, y_true, y_pred)
+    except ValueError:
+        raise GpuparError(f"metrics{where}: {spec!r} is not a Keras metric name; use one such as 'accuracy', 'mae', "
+                          "'auc', or pass a keras.metrics.Metric") from None
 
 
 def _by_output(spec, keys, what):
@@ -132,7 +114,7 @@ def _by_output(spec, keys, what):
                               f"{keys})")
         return dict(spec)
     # A list of one entry per output: for the loss any list, for the metrics a list of lists.
-    per_output = what == "loss" or all(item is None or isinstance(item, (list, tuple)) for item in spec or (0,))
+    per_output = what in ("loss", "loss_weights") or all(item is None or isinstance(item, (list, tuple)) for item in spec or (0,))
     if isinstance(spec, (list, tuple)) and len(keys) > 1 and per_output:
         if len(spec) != len(keys):
             raise GpuparError(f"{what} is a list of {len(spec)} but the model has {len(keys)} outputs")
@@ -148,27 +130,52 @@ class Objective:
       metrics: One MetricTerm per output and metric.
     """
 
-    def __init__(self, loss, metrics, sample_y, sample_y_pred, output_names=None):
-        """Args: the loss and metrics as given, one batch of labels and of the model's outputs, and
-        the model's output names, which name the metrics of a list of outputs as Keras does."""
+    def __init__(self, loss, metrics, sample_y, sample_y_pred, output_names=None, loss_weights=None,
+                 weighted_metrics=None, model_losses=False):
+        """Args: the loss, metrics, loss_weights and weighted_metrics as compile takes them; one batch of
+        labels (None for a model trained on x alone) and of the model's outputs; the model's output
+        names, which name the metrics of a list of outputs as Keras does; and whether the model adds
+        losses of its own (add_loss, regularisers), which may then be its whole loss."""
         keys = _output_keys(sample_y_pred)
-        losses = _by_output(loss, keys, "loss")
-        self.losses = [_loss_term(spec, key, f"[{key!r}]" if key is not None else "")
+        losses = {} if loss is None else _by_output(loss, keys, "loss")
+        weights = {} if loss_weights is None else _by_output(loss_weights, keys, "loss_weights")
+        if any(spec is not None for spec in losses.values()) and sample_y is None:
+            raise GpuparError("the loss needs labels, but there is no y: pass y (gpupar.fit(model_fn, x, y, ...); as in "
+                              "Keras a tuple x is the model's inputs), or train on x alone with a loss the model adds")
+        self.losses = [_loss_term(spec, key, f"[{key!r}]" if key is not None else "", _part(sample_y, key),
+                                  _part(sample_y_pred, key), weights.get(key, 1.0))
                        for key, spec in losses.items() if spec is not None]
-        if not self.losses:
-            raise GpuparError("loss is None for every output; give a loss for at least one")
+        if sample_y is None and (metrics or weighted_metrics):
+            raise GpuparError("the metrics need labels, but there is no y: pass y, or no metrics")
+        if not self.losses and not model_losses:
+            raise GpuparError("the model has no loss: compile it with one in model_fn (model.compile(loss=...)) or pass "
+                              "loss=..., or add one in the model (self.add_loss)")
         self.metrics: List[MetricTerm] = []
-        for key, specs in _by_output(metrics or (), keys, "metrics").items():
-            for spec in ([specs] if isinstance(specs, (str, keras.metrics.Metric)) or callable(specs) else specs or ()):
-                where = f"[{key!r}]" if key is not None else ""
-                metric = _metric(spec, _part(sample_y, key), _part(sample_y_pred, key), where)
-                output = key if not isinstance(key, int) or not output_names else output_names[key]
-                name = metric.name if key is None else f"{output}_{metric.name}"
-                self.metrics.append(MetricTerm(key, metric, name))
+        if len(keys) > 1:  # as Keras' compile: each output's loss, unweighted, under "<output>_loss"
+            for term in self.losses:
+                name = self._log_name("loss", term.key, output_names, False)
+                self.metrics.append(MetricTerm(term.key, keras.metrics.Mean(name=name), name, loss=term))
+        for weighted, given in ((False, metrics), (True, weighted_metrics)):
+            what = "weighted_metrics" if weighted else "metrics"
+            for key, specs in _by_output(given or (), keys, what).items():
+                for spec in ([specs] if isinstance(specs, (str, keras.metrics.Metric)) or callable(specs)
+                             else specs or ()):
+                    where = f"[{key!r}]" if key is not None else ""
+                    metric = _metric(spec, _part(sample_y, key), _part(sample_y_pred, key), where)
+                    self.metrics.append(MetricTerm(key, metric, self._log_name(metric.name, key, output_names,
+                                                                               weighted), weighted))
         names = [m.name for m in self.metrics]
         if len(set(names)) != len(names) or "loss" in names:
             raise GpuparError(f"metrics: two metrics would log under the same name ({', '.join(names)}); give them "
                               "names of their own (name=...)")
+
+    def _log_name(self, name, key, output_names, weighted):
+        """The metric's log name as Keras' compile gives it: '<output>_<name>', 'weighted_<name>' where taken."""
+        output = key if not isinstance(key, int) or not output_names else output_names[key]
+        prefix = "" if key is None else f"{output}_"
+        if weighted and f"{prefix}{name}" in [m.name for m in self.metrics]:
+            return f"{prefix}weighted_{name}"
+        return f"{prefix}{name}"
 
     @property
     def names(self) -> List[str]:
@@ -180,34 +187,16 @@ class Objective:
         return [np.zeros(v.shape, np.float32) for m in self.metrics for v in m.metric.variables]
 
     def terms(self, y, y_pred, sample_weight):
-        """(weighted sums, local denominators) of this replica's share: one of each per loss, as tensors."""
-        numerators, denominators = [], []
-        context = tf.distribute.get_replica_context()
-        replicas = context.num_replicas_in_sync if context is not None else 1
-        for term in self.losses:
-            values = tf.cast(term.fn(_part(y, term.key), tf.cast(_part(y_pred, term.key), tf.float32)), tf.float32)
-            if values.shape.rank == 0:
-                raise GpuparError(f"the loss {term.name!r} returns one scalar for the batch; it must return one value "
-                                  "per example (gpupar averages them over the global batch)")
-            weight = _part(sample_weight, term.key) if isinstance(sample_weight, dict) else sample_weight
-            count = tf.cast(tf.size(values), tf.float32)
-            if weight is not None:
-                weight = tf.cast(weight, tf.float32)
-                while weight.shape.rank < values.shape.rank:
-                    weight = weight[..., tf.newaxis]
-                while weight.shape.rank > values.shape.rank:
-                    weight = tf.squeeze(weight, -1)
-                weighted = values * weight
-            else:
-                weighted = values
-            numerators.append(tf.reduce_sum(weighted))
-            if term.reduction == "mean_with_sample_weight" and weight is not None:
-                denominators.append(tf.reduce_sum(weight))
-            elif term.reduction == "sum":
-                denominators.append(tf.constant(1.0 / replicas))  # one per global batch
-            else:
-                denominators.append(count)
-        return tf.stack(numerators), tf.stack(denominators)
+        """(weighted sums, local denominators) of this replica's share: one of each per loss, as tensors.
+
+        Each sum is times its output's loss_weight. As Keras' Loss.__call__ does, labels and outputs
+        reach the loss's call as float32.
+        """
+        if not self.losses:  # the model's own losses (add_loss) are the whole loss
+            return tf.zeros([0]), tf.zeros([0])
+        parts = [_term_sums(term, y, y_pred, sample_weight) for term in self.losses]
+        return (tf.stack([numerator * term.weight for term, (numerator, _) in zip(self.losses, parts)]),
+                tf.stack([denominator for _, denominator in parts]))
 
     def added_denominators(self, parts):
         """The denominators of a batch from those of its parts (terms() of each, outside a strategy).
@@ -215,6 +204,8 @@ class Objective:
         Counts and sums of weights add up; "sum" is one per batch whatever its parts.
         """
         total = tf.add_n(list(parts))
+        if not self.losses:
+            return total
         return tf.stack([tf.ones_like(d) if term.reduction == "sum" else d
                          for term, d in zip(self.losses, tf.unstack(total))])
 
@@ -230,7 +221,7 @@ class Objective:
         numerators, denominators = self.terms(y, y_pred, sample_weight)
         if total is None:
             if whole is not None:
-                denominators = self._whole_denominators(denominators, len_rows(y), *whole)
+                denominators = self._whole_denominators(denominators, len_rows(y_pred), *whole)
             context = tf.distribute.get_replica_context()
             total = context.all_reduce(SUM, denominators) if context is not None else denominators
         return tf.reduce_sum(tf.math.divide_no_nan(numerators, total)), total
@@ -241,6 +232,8 @@ class Objective:
         Every row of a batch has the same number of loss values, so a count scales with the rows;
         a sum of sample weights is taken over the whole batch's; "sum" stays one per global batch.
         """
+        if not self.losses:
+            return denominators
         scaled = []
         for term, denominator in zip(self.losses, tf.unstack(denominators)):
             weight = _part(whole_weight, term.key) if isinstance(whole_weight, dict) else whole_weight
@@ -256,12 +249,26 @@ class Objective:
         """The metrics' states for this share of the batch alone, flattened (they add up over shares)."""
         states = []
         for term in self.metrics:
-            weight = _part(sample_weight, term.key) if isinstance(sample_weight, dict) else sample_weight
+            if term.loss is not None:
+                states += self._loss_state(term.loss, y, y_pred, sample_weight)
+                continue
+            weight = None  # as in Keras, sample weights reach the weighted metrics only
+            if term.weighted:
+                weight = _part(sample_weight, term.key) if isinstance(sample_weight, dict) else sample_weight
             zeros = [tf.zeros(v.shape, v.dtype) for v in term.metric.variables]
             updated = term.metric.stateless_update_state(zeros, _part(y, term.key), _part(y_pred, term.key),
                                                          sample_weight=weight)
             states += [tf.cast(s, tf.float32) for s in updated]
         return states
+
+    def _loss_state(self, term: LossTerm, y, y_pred, sample_weight) -> list:
+        """A Mean's (total, count) of one output's loss on this share: its mean here, weighed by the share's rows.
+
+        As Keras' per-output loss trackers, which take each batch's value with the batch's size as weight.
+        """
+        numerator, denominator = _term_sums(term, y, y_pred, sample_weight)
+        rows = tf.cast(len_rows(_part(y_pred, term.key)), tf.float32)
+        return [tf.math.divide_no_nan(numerator, denominator) * rows, rows]
 
     def results(self, states) -> dict:
         """{log name: value} of the metrics whose summed states are `states` (host arrays)."""
@@ -271,13 +278,22 @@ class Objective:
             for variable, value in zip(variables, states[i:i + len(variables)]):
                 variable.assign(np.asarray(value, dtype=variable.dtype))
             i += len(variables)
-            logs[term.name] = float(term.metric.result())
+            value = np.asarray(term.metric.result())  # a vector for some (Precision at several thresholds)
+            logs[term.name] = float(value) if value.ndim == 0 else value.tolist()
         return logs
+
+    def batch_level(self, y, y_pred) -> List[str]:
+        """The names of the losses that give one value for a whole batch rather than one per example."""
+        return [term.name for term in self.losses
+                if tf.rank(term.fn(tf.nest.map_structure(lambda t: tf.cast(t, tf.float32), _part(y, term.key)),
+                                   tf.cast(_part(y_pred, term.key), tf.float32))) == 0]
 
     def check_additive(self, y, y_pred, sample_weight):
         """Refuses a metric whose state on a batch is not the sum of its states on the batch's halves."""
+        if not self.metrics:
+            return
         size = len(tf.nest.flatten(y)[0])
-        if size < 2 or not self.metrics:
+        if size < 2:
             return
         half = size // 2
 
@@ -289,7 +305,7 @@ class Objective:
                   for p in (slice(None, half), slice(half, None))]
         added = self.results([np.asarray(a) + np.asarray(b) for a, b in zip(*halves)])
         for name in whole:
-            if not np.isclose(whole[name], added[name], rtol=1e-4, atol=1e-6):
+            if not np.allclose(whole[name], added[name], rtol=1e-4, atol=1e-6):
                 raise GpuparError(f"metric {name!r}: its state on a batch is not the sum of its states on the batch's "
                                   "halves, and gpupar combines replicas and steps by adding states; use a metric whose "
                                   "variables are totals and counts")
@@ -298,6 +314,30 @@ class Objective:
         """Puts every metric's variables back to zero."""
         for term in self.metrics:
             term.metric.reset_state()
+
+
+def _term_sums(term: LossTerm, y, y_pred, sample_weight):
+    """(the weighted sum of one loss's values on this share, its local denominator as the reduction says)."""
+    context = tf.distribute.get_replica_context()
+    replicas = context.num_replicas_in_sync if context is not None else 1
+    labels = tf.nest.map_structure(lambda t: tf.cast(t, tf.float32), _part(y, term.key))
+    outputs = tf.cast(_part(y_pred, term.key), tf.float32)
+    values = tf.cast(term.fn(labels, outputs), tf.float32)
+    if values.shape.rank == 0:  # one value for the batch (dice, tversky): each example gets it, as in Keras
+        values = tf.broadcast_to(values, [len_rows(outputs)])
+    weight = _part(sample_weight, term.key) if isinstance(sample_weight, dict) else sample_weight
+    if weight is not None:
+        weight = tf.cast(weight, tf.float32)
+        while weight.shape.rank < values.shape.rank:
+            weight = weight[..., tf.newaxis]
+        while weight.shape.rank > values.shape.rank:
+            weight = tf.squeeze(weight, -1)
+    numerator = tf.reduce_sum(values if weight is None else values * weight)
+    if term.reduction == "mean_with_sample_weight" and weight is not None:
+        return numerator, tf.reduce_sum(weight)
+    if term.reduction == "sum":
+        return numerator, tf.constant(1.0 / replicas)  # one per global batch
+    return numerator, tf.cast(tf.size(values), tf.float32)
 
 
 def len_rows(structure):

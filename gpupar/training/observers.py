@@ -126,17 +126,21 @@ class ProgressLog(Observer):
                  f", skipped {line.skipped} non-finite step(s)" if line.skipped else "", _workers_note(line.by_worker))
 
     def on_epoch_end(self, record, saved, history):
-        log.info("Epoch:[%d] %s, %.1f s, %s examples/s%s%s", record.epoch, format_logs(record.logs), record.seconds,
-                 f"{record.examples_per_second:,.0f}", _workers_note(record.updates_by_worker),
-                 f", saved {saved}" if saved else "")
+        log.info("Epoch:[%d] %s, %.1f s, %s examples/s, input wait %.0f%%%s%s", record.epoch, format_logs(record.logs),
+                 record.seconds, f"{record.examples_per_second:,.0f}", 100 * record.input_wait_fraction,
+                 _workers_note(record.updates_by_worker), f", saved {saved}" if saved else "")
 
 
 class InputWaitMonitor(Observer):
-    """How long the steps waited for their input, per epoch; one warning per run when training is input-bound."""
+    """How long the steps waited for their input, per epoch; one warning per run when training is input-bound.
 
-    def __init__(self, input_options, hints=(), on_gpus: bool = False):
+    On several virtual CPUs a replica that waits for a CPU thread counts as waiting for input, so
+    there the figure is logged but warns of nothing (gpupar diagnose tells the two apart).
+    """
+
+    def __init__(self, input_options, hints=(), on_gpus: bool = False, virtual_cpus: bool = False):
         self.input_options, self.hints, self.on_gpus = input_options, tuple(hints), on_gpus
-        self.wait, self.warned = InputWait(), False
+        self.wait, self.warned = InputWait(), virtual_cpus  # warned already: nothing to warn of
 
     def on_epoch_begin(self, epoch):
         self.wait = InputWait()
@@ -157,8 +161,6 @@ class InputWaitMonitor(Observer):
         self._warn_if_input_bound()
 
     def on_epoch_end(self, record, saved, history):
-        if self.wait.steps:
-            log.info("Epoch:[%d] %s", record.epoch, self.wait.describe())
         self._warn_if_input_bound()
 
 
@@ -216,12 +218,14 @@ class TensorBoardScalars(Observer):
     def on_progress(self, line):
         with self.writer.as_default(step=line.global_step):
             for name, value in line.logs.items():
-                tf.summary.scalar(f"step/{name}", value)
+                if not isinstance(value, list):  # a metric's vector (at several thresholds) is no scalar
+                    tf.summary.scalar(f"step/{name}", value)
 
     def on_epoch_end(self, record, saved, history):
         with self.writer.as_default(step=record.epoch):
             for name, value in record.logs.items():
-                tf.summary.scalar(f"epoch/{name}", value)
+                if not isinstance(value, list):
+                    tf.summary.scalar(f"epoch/{name}", value)
             tf.summary.scalar("epoch/examples_per_second", record.examples_per_second)
             tf.summary.scalar("epoch/input_wait_fraction", record.input_wait_fraction)
         self.writer.flush()
@@ -241,15 +245,16 @@ class MetricsFile(Observer):
 
 
 class KerasCallbacks(Observer):
-    """The user's Keras callbacks, called as model.fit calls them.
+    """The user's Keras callbacks, called as model.fit calls them, with Keras' History and progress bar.
 
     on_train_begin/end, on_epoch_begin/end with the epoch's logs, and on_train_batch_end once per
-    call of steps with the epoch's logs so far.
+    call of steps with the epoch's logs so far (as model.fit with steps_per_execution); params as
+    model.fit sets them (verbose, epochs, steps); model.history is a keras.callbacks.History.
     """
 
-    def __init__(self, callbacks, model, epochs: int, steps: int):
-        self.callbacks = keras.callbacks.CallbackList(list(callbacks), model=model, epochs=epochs, steps=steps,
-                                                      verbose=0)
+    def __init__(self, callbacks, model, epochs: int, steps: int, verbose=0, progress_bar: bool = False):
+        self.callbacks = keras.callbacks.CallbackList(list(callbacks), add_history=True, add_progbar=progress_bar,
+                                                      model=model, epochs=epochs, steps=steps, verbose=verbose)
 
     def on_train_begin(self):
         self.callbacks.on_train_begin()

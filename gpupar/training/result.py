@@ -9,8 +9,11 @@ from gpupar.errors import GpuparError
 
 
 def format_logs(logs) -> str:
-    """'loss: 0.6119, accuracy: 0.8012, val_loss: ...': a progress line's numbers, Keras' names."""
-    return ", ".join(f"{name}: {value:.4f}" for name, value in logs.items())
+    """'loss: 0.6119, accuracy: 0.8012, val_loss: ...': a progress line's numbers, Keras' names (a vector in [])."""
+    def shown(value):
+        return f"[{', '.join(f'{v:.4f}' for v in value)}]" if isinstance(value, list) else f"{value:.4f}"
+
+    return ", ".join(f"{name}: {shown(value)}" for name, value in logs.items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,12 +65,14 @@ class EpochRecord:
 
 @dataclasses.dataclass
 class FitResult:
-    """The outcome of gpupar.fit or gpupar.fit_mnist.
+    """The outcome of gpupar.fit or gpupar.fit_mnist: usable where model.fit's History is, with gpupar's records.
 
     Attributes:
-      model: The trained Keras model.
-      strategy: The tf.distribute.Strategy it was trained with (the StagePlan for model_parallel).
-      history: One EpochRecord per epoch trained in this run.
+      model: The trained Keras model, compiled: evaluate, predict and save work without a scope.
+      strategy: The tf.distribute.Strategy its variables were made under.
+      records: One EpochRecord per epoch trained in this run.
+      history: As keras.callbacks.History.history: {"loss": [one per epoch], "val_loss": [...], ...}
+        of this run, the logs as the callbacks left them (ReduceLROnPlateau adds learning_rate).
       logs: The final model's logs: the last epoch's, or a fresh evaluation when nothing was left to train.
       total_seconds: Wall time of the whole run, set-up included.
       strategy_description: The one-line description of the strategy that was chosen.
@@ -79,7 +84,7 @@ class FitResult:
 
     model: Any
     strategy: Any
-    history: List[EpochRecord]
+    records: List[EpochRecord]
     logs: Dict[str, float]
     total_seconds: float
     strategy_description: str
@@ -87,11 +92,17 @@ class FitResult:
     global_batch: int
     start_epoch: int
     checkpoint: Optional[str]
+    history: Dict[str, List[Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def test_accuracy(self) -> Optional[float]:
         """logs["val_accuracy"]: the final model's accuracy on the evaluation set (the MNIST test set)."""
         return self.logs.get("val_accuracy")
+
+    @property
+    def epoch(self) -> List[int]:
+        """As keras.callbacks.History.epoch: the epochs (from 0) trained in this run."""
+        return [record.epoch for record in self.records]
 
     def metrics(self) -> dict:
         """Everything but the model and strategy objects, as plain JSON-able values."""
@@ -103,7 +114,7 @@ class FitResult:
             "global_batch": self.global_batch,
             "start_epoch": self.start_epoch,
             "checkpoint": self.checkpoint,
-            "history": [dataclasses.asdict(r) for r in self.history],
+            "history": [dataclasses.asdict(r) for r in self.records],
         }
 
     def save(self, path: str):

@@ -10,15 +10,17 @@ tasks serve (gpupar.training.modes.parameter_server).
 
 import contextlib
 import logging
+import sys
 import time
 
 import tensorflow as tf
 
 from gpupar.config import Config
+from gpupar.data.adapters import input_errors
 from gpupar.monitor import utilisation
 from gpupar.runtime.cluster import detect_cluster
 from gpupar.training import modes, multi_worker
-from gpupar.training.checkpoint import Checkpoints, ModelDirLock
+from gpupar.training.checkpoint import Checkpoints, ModelDirLock, Position
 from gpupar.training.interrupt import StopRequests
 from gpupar.training.loop import Loop
 from gpupar.training.observers import (GpuUse, InputWaitMonitor, KerasCallbacks, MetricsFile, Observers, Profile,
@@ -46,6 +48,23 @@ def train_and_evaluate(config: Config, task: Task) -> FitResult:
         non-finite loss (the last good checkpoint is kept), a cluster that broke.
       TrainingInterrupted: SIGINT or SIGTERM, after a checkpoint.
     """
+    with _quiet(config.loop.verbose == 0):
+        return _train(config, task)
+
+
+@contextlib.contextmanager
+def _quiet(quiet: bool):
+    """verbose=0: gpupar's log says only warnings and errors while the run lasts, as model.fit prints nothing."""
+    level = log.level
+    if quiet:
+        log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _train(config: Config, task: Task) -> FitResult:
     cluster = detect_cluster(slurm_ps=config.distribution.slurm_ps)
     mode = modes.checked(config, cluster)  # strategy=auto in a cluster with ps tasks decides the mode only now
     chief = cluster is None or cluster.is_chief
@@ -76,6 +95,8 @@ def _run(config: Config, outputs, engine, task, stop, cluster, scratch_dir, star
     if scratch_dir is not None:
         checkpoints.write_to(scratch_dir)  # a non-chief worker: it restores the chief's, keeps nothing
     start = saved_at.rebatched(engine.global_batch, engine.steps_per_epoch)
+    if (start.epoch, start.step) == (0, 0) and config.loop.initial_epoch:
+        start = Position(config.loop.initial_epoch)  # model.fit's initial_epoch, where no checkpoint says otherwise
     if start.step != saved_at.step:
         log.info("the checkpoint is %d steps of %d into epoch %d; with %d steps of %d per epoch now, this run "
                  "continues at step %d, on a data order of its own", saved_at.step, saved_at.global_batch,
@@ -85,17 +106,17 @@ def _run(config: Config, outputs, engine, task, stop, cluster, scratch_dir, star
 
     def result(history, logs):
         return FitResult(
-            model=engine.model, strategy=engine.strategy, history=list(history), logs=logs,
+            model=engine.model, strategy=engine.strategy, records=list(history), logs=logs,
             total_seconds=time.perf_counter() - started, strategy_description=engine.description,
             replicas=engine.replicas, global_batch=engine.global_batch, start_epoch=start.epoch,
-            checkpoint=checkpoints.latest)
+            checkpoint=checkpoints.latest, history=_keras_history(engine.model))
 
     observers = _observers(config, outputs, engine, task,
                            lambda history: result(history, dict(history[-1].logs)).write_json(outputs.metrics_json))
-    with contextlib.closing(observers), _lost_peers_explained(cluster, checkpoints):
+    with contextlib.closing(observers), _lost_peers_explained(cluster, checkpoints), input_errors():
         loop = Loop(engine, config.loop, checkpoints, observers, config.step.nan_policy)
         history = loop.run(start, stop)
-    final = result(history, dict(history[-1].logs) if history else engine.evaluate())
+    final = result(history, dict(history[-1].logs) if history else _final_evaluation(engine))
     log.info("Final: %s; total time: %.1f s", format_logs(final.logs) or "no evaluation data", final.total_seconds)
     if outputs.metrics_json:
         final.write_json(outputs.metrics_json)
@@ -106,22 +127,43 @@ def _run(config: Config, outputs, engine, task, stop, cluster, scratch_dir, star
     return final
 
 
+def _keras_history(model) -> dict:
+    """The run's keras.callbacks.History (which the loop's Keras callbacks keep as model.history), as a dict."""
+    history = getattr(model, "history", None)
+    return {name: list(values) for name, values in getattr(history, "history", {}).items()}
+
+
+def _final_evaluation(engine) -> dict:
+    """The logs of a run that trained nothing: the evaluation of the restored model."""
+    with input_errors():
+        return engine.evaluate()
+
+
+def progress_bar(verbose) -> bool:
+    """Whether model.fit's verbose asks for Keras' progress bar here: 1 (or auto) on a terminal."""
+    return verbose in (1, "auto") and sys.stdout.isatty()
+
+
 def _observers(config: Config, outputs, engine, task, write_metrics) -> Observers:
     """Everything that watches this run, in the order the loop calls them: the files, the log lines, the probes, the
     user's callbacks last (they see what was written)."""
+    verbose, bar = config.loop.verbose, progress_bar(config.loop.verbose)
     observers = []
     if outputs.metrics_json:
         observers.append(MetricsFile(write_metrics))
     if outputs.log_dir:
         observers.append(TensorBoardScalars(outputs.log_dir))
-    observers.append(ProgressLog(show_examples=config.step.accumulate_steps > 1))
-    observers.append(InputWaitMonitor(config.input, task.train.input_bound_hints(), engine.on_gpus))
+    if verbose != 0 and not bar:
+        observers.append(ProgressLog(show_examples=config.step.accumulate_steps > 1))
+    observers.append(InputWaitMonitor(config.input, task.train.input_bound_hints(), engine.on_gpus,
+                                      virtual_cpus=engine.replicas > 1 and not engine.on_gpus))
     sampler = utilisation.start_sampler(engine.visible_gpus, log)
     if sampler:
         observers.append(GpuUse(sampler))
     if config.loop.profile_steps:
         observers.append(Profile(config.loop.profile_steps, outputs.log_dir))
-    observers.append(KerasCallbacks(task.callbacks, engine.model, config.loop.epochs, engine.steps_per_epoch))
+    observers.append(KerasCallbacks(task.callbacks, engine.model, config.loop.epochs, engine.steps_per_epoch,
+                                    verbose=1 if verbose == "auto" else verbose, progress_bar=bar))
     return Observers(observers)
 
 

@@ -7,7 +7,9 @@ variables before it and builds the complete Engine after it. Training (gpupar.tr
 training would run.
 """
 
+import dataclasses
 import logging
+from typing import Any
 
 import keras
 import numpy as np
@@ -52,22 +54,26 @@ def build_engine(config, task, mode, cluster=None) -> Engine:
     log.info("data: %s%s", train.description, f"; evaluation: {evaluation.description}" if evaluation else "")
     if train.resume_note and config.outputs.resume is not False:
         log.info("resume: %s", train.resume_note)
-    global_batch = config.input.batch_size * placement.replicas_per_update * config.step.accumulate_steps
+    per_step = train.batch_size(config.input, placement.replicas_per_update)
+    global_batch = per_step * config.step.accumulate_steps  # examples per update
     steps_per_epoch = _steps_per_epoch(config.loop, train, global_batch, placement)
-    model, updated, inner, applied = _model_and_optimizer(config.step, task, mode, placement, train)
+    model, compiled, updated, inner, applied = _model_and_optimizer(config.step, task, mode, placement, train)
+    step, loop = _with_compile_options(config.step, config.loop, compiled)
     if placement.on_gpus and fall_back_from_xla(model, xla_batch_norm_error(placement.devices[0])):
         log.warning("XLA could not compile the batch norm on %s, so it runs as Keras' BatchNormalization (the same "
                     "variables, slower): CUDA's ptxas and libdevice are missing; pip install 'tensorflow[and-cuda]' "
                     "brings them", placement.devices[0])
-    objective = _checked_objective(task, model, train)
-    model.optimizer = applied  # where Keras' callbacks (ReduceLROnPlateau, LearningRateScheduler) look for it
-    _log_step_options(config.step, config.input.batch_size, global_batch)
+    objective = _checked_objective(compiled, model, train)
+    _compiled_for_keras(model, compiled, applied, placement)
+    _log_batch(per_step, placement, step, train)
+    _log_step_options(step)
     return mode.build(Prepared(
         placement=placement, model=model, optimizer=inner, update_optimizer=applied, updated_variables=updated,
         objective=objective, train=train, evaluation=evaluation, global_batch=global_batch,
-        steps_per_epoch=steps_per_epoch, distribution=config.distribution, step=config.step, loop=config.loop,
-        seed=config.seed, signature=task.signature or _signature(model),
-        learning_rate=None if task.optimizer is not None else config.step.learning_rate,
+        eval_batch=config.input.validation_batch_size or per_step, steps_per_epoch=steps_per_epoch,
+        distribution=config.distribution, input=config.input, step=step, loop=loop, seed=config.seed,
+        signature=task.signature or _signature(model),
+        learning_rate=None if compiled.optimizer is not None else config.step.learning_rate,
         visible_gpus=devices.visible_gpus))
 
 
@@ -103,10 +109,62 @@ def _steps_per_epoch(loop, train, global_batch: int, placement) -> int:
     return steps
 
 
-def _model_and_optimizer(step, task, mode, placement, train):
-    """(model, variables updated, optimizer, optimizer that applies updates).
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """What the model is trained with: its compile() arguments, or gpupar.fit's for an uncompiled model.
 
-    Both are made under the placement's scope, the model's layers in the run's dtype policy.
+    Attributes:
+      optimizer: A Keras optimizer, a function making one, its name, or None (Adam(learning_rate)).
+      loss, loss_weights, metrics, weighted_metrics: As model.compile takes them.
+      steps_per_execution: compile's steps_per_execution (1: not given).
+      jit_compile: compile's jit_compile, resolved by Keras (False on a machine without accelerators).
+      by_user: Whether the model came compiled from model_fn.
+    """
+
+    optimizer: Any = None
+    loss: Any = None
+    loss_weights: Any = None
+    metrics: Any = None
+    weighted_metrics: Any = None
+    steps_per_execution: int = 1
+    jit_compile: bool = False
+    by_user: bool = False
+
+
+def compile_arguments(model, task) -> Compiled:
+    """The model's compile() arguments where model_fn compiled it, else gpupar.fit's loss, metrics and optimizer.
+
+    Raises:
+      GpuparError: a compiled model and fit's own loss, metrics or optimizer too; run_eagerly.
+    """
+    if not getattr(model, "compiled", False):
+        return Compiled(task.optimizer, task.loss, metrics=task.metrics)
+    given = [name for name in ("loss", "metrics", "optimizer") if getattr(task, name) is not None]
+    if given:
+        raise GpuparError(f"model_fn returns a model compiled with its own {given[0]}, and gpupar.fit got {given[0]}= "
+                          f"too; drop one of them (the rule: compile in model_fn, call gpupar.fit as model.fit)")
+    settings = model._compile_config.config  # Keras keeps compile()'s arguments here (get_compile_config)
+    if settings.get("run_eagerly"):
+        raise GpuparError("the model is compiled with run_eagerly=True, which runs model.fit's step eagerly for "
+                          "debugging; gpupar runs its step in one tf.function per call: compile without it")
+    return Compiled(model.optimizer, settings.get("loss"), settings.get("loss_weights"), settings.get("metrics"),
+                    settings.get("weighted_metrics"), int(settings.get("steps_per_execution") or 1),
+                    bool(settings.get("jit_compile")), by_user=True)
+
+
+def _with_compile_options(step, loop, compiled: Compiled):
+    """(StepOptions, LoopOptions) with compile's jit_compile and steps_per_execution, where the options leave them."""
+    if compiled.jit_compile and not step.jit_compile:
+        step = dataclasses.replace(step, jit_compile=True)
+    if compiled.steps_per_execution > 1 and loop.steps_per_call is None:
+        loop = dataclasses.replace(loop, steps_per_call=compiled.steps_per_execution)
+    return step, loop
+
+
+def _model_and_optimizer(step, task, mode, placement, train):
+    """(model, its Compiled arguments, variables updated, optimizer, optimizer that applies updates).
+
+    All are made under the placement's scope, the model's layers in the run's dtype policy.
     """
     previous_policy = keras.config.dtype_policy()
     if step.precision != "float32":
@@ -115,23 +173,48 @@ def _model_and_optimizer(step, task, mode, placement, train):
         with placement.strategy.scope():
             with replica_consistent_state():  # the model's state only: the optimizer's keeps Keras' aggregation
                 model = mode.build_model(task.build_model, placement, train.sample())
+            compiled = compile_arguments(model, task)
             updated, split = mode.updated_variables(model)
-            inner = _optimizer(task.optimizer, step.learning_rate)
+            inner = _optimizer(compiled.optimizer, step.learning_rate)
             applied = _loss_scaled(inner, step)
             applied.build(updated)  # each slot variable is placed beside its variable
     finally:
         keras.config.set_dtype_policy(previous_policy)
     for line in split:
         log.info("variable %s", line)
-    return model, updated, inner, applied
+    return model, compiled, updated, inner, applied
 
 
-def _log_step_options(step, batch_size: int, global_batch: int):
+def _compiled_for_keras(model, compiled: Compiled, applied, placement):
+    """Leaves the model compiled as the user would after model.fit: evaluate, predict and save work on it.
+
+    A model that came compiled keeps its compile, with the optimizer that trained it; one that
+    did not is compiled with fit's loss and metrics, under the strategy's scope.
+    """
+    if compiled.by_user:
+        model.optimizer = applied  # where Keras' callbacks (ReduceLROnPlateau, LearningRateScheduler) look for it
+        return
+    with placement.strategy.scope():
+        model.compile(optimizer=applied, loss=compiled.loss, metrics=compiled.metrics)
+
+
+def _log_batch(per_step: int, placement, step, train):
+    """The batch line: the global batch, what each replica gets, and the examples of an update."""
+    replicas = placement.replicas_per_update
+    share = f"{per_step // replicas} per replica on {replicas} replicas" if replicas > 1 else "on one replica"
+    if per_step % replicas:
+        share = f"about {per_step / replicas:.1f} per replica on {replicas} replicas"
+    own = f" ({train.form}'s own batches)" if train.own_batches else ""
+    update = f"; {per_step * step.accumulate_steps} per update ({step.accumulate_steps} accumulated)" if \
+        step.accumulate_steps > 1 else ""
+    log.info("batch: %d examples per step%s, %s%s", per_step, own, share, update)
+
+
+def _log_step_options(step):
     """One line for each option that changes the step: accumulation, precision and XLA."""
     if step.accumulate_steps > 1:
-        log.info("accumulation: each update adds the gradients of %d batches of %d per replica, one after another, "
-                 "then all-reduces once: one step on a global batch of %d", step.accumulate_steps, batch_size,
-                 global_batch)
+        log.info("accumulation: each update adds the gradients of %d micro-batches, one after another, then "
+                 "all-reduces once: one step on their whole batch", step.accumulate_steps)
     if step.precision != "float32" or step.jit_compile:
         log.info("step: %s%s", step.precision, ", compiled with XLA" if step.jit_compile else "")
 
@@ -140,6 +223,8 @@ def _optimizer(given, learning_rate: float):
     """The optimizer to train with, made under the strategy's scope (Keras' optimizers must be)."""
     if given is None:
         return keras.optimizers.Adam(learning_rate)
+    if isinstance(given, keras.optimizers.LossScaleOptimizer):
+        given = given.inner_optimizer  # compile wraps it under mixed_float16; gpupar wraps it again as the run says
     if isinstance(given, str):
         try:
             made = keras.optimizers.get(given)
@@ -180,16 +265,17 @@ def _signature(model) -> dict:
     return {"model": type(model).__name__, "variables": len(model.weights), "parameters": int(model.count_params())}
 
 
-def _checked_objective(task, model, train):
+def _checked_objective(compiled: Compiled, model, train):
     """The Objective for the model's outputs, after the checks that need the model and one batch.
 
     Raises:
       GpuparError: labels outside the model's output range, a loss of one scalar per batch, a
         metric whose state does not add up, names that do not fit the outputs.
     """
-    x, y, sample_weight = unpack(tuple(train.sample()))
+    x, y, sample_weight = unpack(train.sample())
     y_pred = tf.nest.map_structure(lambda t: np.asarray(t, np.float32), model(x, training=False))
-    objective = Objective(task.loss, task.metrics, y, y_pred, getattr(model, "output_names", None))
+    objective = Objective(compiled.loss, compiled.metrics, y, y_pred, getattr(model, "output_names", None),
+                          compiled.loss_weights, compiled.weighted_metrics, model_losses=bool(model.losses))
     all_labels = train.labels()
     all_labels = y if all_labels is None else all_labels  # every label where they are in memory
     for term in objective.losses:
@@ -199,7 +285,9 @@ def _checked_objective(task, model, train):
             if labels.size and (labels.min() < 0 or labels.max() >= classes):
                 raise GpuparError(f"the labels reach {labels.min()}..{labels.max()}, but the model has {classes} "
                                   f"outputs (classes 0..{classes - 1}); fix the labels or the model's last layer")
-    objective.terms(y, y_pred, sample_weight)  # refuses a loss of one scalar per batch
+    for name in objective.batch_level(y, y_pred):
+        log.info("loss %r gives one value per batch, not one per example: on several replicas the step's loss is the "
+                 "mean of each replica's value (as model.fit's under a strategy), not the global batch's", name)
     objective.check_additive(y, y_pred, sample_weight)
     objective.reset()
     return objective

@@ -55,7 +55,7 @@ def accumulated(gradients, accumulate_steps: int):
     """
 
     def batch_gradients(x, y, sample_weight):
-        rows = len_rows(y)
+        rows = len_rows(x)
 
         def micro(m):
             lower, upper = (m * rows) // accumulate_steps, ((m + 1) * rows) // accumulate_steps
@@ -116,12 +116,17 @@ def update(batch_gradients, model, optimizer, skip_nonfinite: bool = False):
         statistics = [v for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
         before = [tf.identity(v) for v in statistics] if skip_nonfinite else []
         loss, states, grads = batch_gradients(x, y, sample_weight)
+        rows = tf.cast(len_rows(x), tf.float32)  # this replica's share of the batch
+        # The epoch's loss weighs each step's by its examples, as Keras' does (a last partial batch):
+        # the replicas' shares times the whole batch's examples add up to its mean times them.
+        weighted, kept = loss * tf.distribute.get_replica_context().all_reduce(SUM, rows), rows
         if scaled:
             grads, bad = agreed_overflow(grads, loss)
             if skip_nonfinite:
-                loss, states = kept_if_skipped(bad, statistics, before, loss, states)
+                weighted, states = kept_if_skipped(bad, statistics, before, weighted, states)
+                kept = tf.where(bad, 0.0, kept)
         optimizer.apply(grads, model.trainable_variables)
-        return loss, states
+        return weighted, kept, rows, states
 
     return apply_update
 
@@ -148,8 +153,8 @@ def make_train_function(strategy, model, optimizer, objective, skip_nonfinite: b
     step = update(accumulated(gradients, accumulate_steps), model, optimizer, skip_nonfinite)
     step = transformed(tf.function(step, jit_compile=True) if jit_compile else step, device_transform,
                        optimizer.iterations)
-    return steps_in_one_call(lambda batch: step(*unpack(batch)), (0.0, objective.zero_states()), timed=True,
-                             strategy=strategy, parallel_iterations=parallel_iterations)
+    return steps_in_one_call(lambda batch: step(*unpack(batch)), (0.0, 0.0, 0.0, objective.zero_states()),
+                             timed=True, strategy=strategy, parallel_iterations=parallel_iterations)
 
 
 def make_evaluate_function(strategy, model, objective):

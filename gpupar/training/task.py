@@ -8,7 +8,7 @@ prepared once the strategy exists: TensorFlow must not run before a multi-worker
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
-from gpupar.data.adapters import DataAdapter, adapter_for
+from gpupar.data.adapters import DataAdapter
 from gpupar.errors import GpuparError
 
 
@@ -21,9 +21,11 @@ class Task:
         model_parallel: gpupar.models.staged).
       train: The training data's adapter.
       evaluation: The evaluation data's adapter, or None.
-      loss: The loss: a Keras name, a keras.losses.Loss, a function, or one per output.
-      metrics: Keras metric names or objects, or one list per output.
-      optimizer: A Keras optimizer, rebuilt from its config under the strategy's scope; None: Adam.
+      loss: For a model that comes uncompiled: a Keras name, a keras.losses.Loss, a function, or
+        one per output; None: none but the model's own (add_loss).
+      metrics: For a model that comes uncompiled: Keras metric names or objects, or one list per output.
+      optimizer: For a model that comes uncompiled: a Keras optimizer, rebuilt from its config
+        under the strategy's scope; None: Adam.
       callbacks: Keras callbacks.
       signature: The model and its shape-defining options for checkpoints; None: read off the built model.
       early_start: What among the arguments started TensorFlow before gpupar could set up its
@@ -33,27 +35,29 @@ class Task:
     build_model: Callable
     train: DataAdapter
     evaluation: Optional[DataAdapter] = None
-    loss: Any = "sparse_categorical_crossentropy"
-    metrics: Any = ("accuracy",)
+    loss: Any = None
+    metrics: Any = None
     optimizer: Any = None
     callbacks: Sequence = ()
     signature: Optional[dict] = None
     early_start: str = ""
 
 
-def user_task(model_fn, train_data, eval_data, loss, metrics, optimizer, callbacks) -> Task:
-    """The Task of gpupar.fit's arguments, with the checks that need no TensorFlow done now.
+def user_task(model_fn, train, evaluation, loss, metrics, optimizer, callbacks, raw=()) -> Task:
+    """The Task of gpupar.fit's arguments (the data as adapters), with the checks that need no TensorFlow done now.
+
+    raw: what the user gave as data, to name what in it started TensorFlow early.
 
     Raises:
       GpuparError: a built model instead of a function, something that is not a callable, an
-        optimizer or callback of the wrong kind, data of a form gpupar does not take.
+        optimizer or callback of the wrong kind.
     """
     import keras
 
     if isinstance(model_fn, keras.Model):
-        raise GpuparError("model_fn is a built keras.Model; pass a function that builds it, e.g. model_fn=lambda: "
-                          "keras.Sequential([...]): gpupar calls it under the strategy's scope, so that the "
-                          "strategy places its variables")
+        raise GpuparError("model_fn is a built keras.Model; pass a function that builds (and compiles) it, e.g. "
+                          "def model_fn(): model = make_model(); model.compile(...); return model: gpupar calls it under "
+                          "the strategy's scope, so that the strategy places its variables")
     if not callable(model_fn):
         raise GpuparError(f"model_fn is a {type(model_fn).__name__}; pass a function of no arguments that returns a "
                           "keras.Model")
@@ -74,19 +78,33 @@ def user_task(model_fn, train_data, eval_data, loss, metrics, optimizer, callbac
                               "distributed step of its own); put the computation in call() and pass the loss to fit")
         return model
 
-    return Task(build_model, adapter_for(train_data, "train_data"),
-                None if eval_data is None else adapter_for(eval_data, "eval_data"), loss, metrics, optimizer,
-                tuple(callbacks), early_start=_early_start(optimizer, train_data, eval_data))
+    return Task(build_model, train, evaluation, loss, metrics, optimizer, tuple(callbacks),
+                early_start=_early_start(optimizer, metrics, raw))
 
 
-def _early_start(optimizer, train_data, eval_data) -> str:
-    """What among fit's arguments has started TensorFlow already (a Keras optimizer, a tf.data.Dataset)."""
+def _early_start(optimizer, metrics, data) -> str:
+    """What among fit's arguments has started TensorFlow already (a Keras optimizer or metric, a dataset, a tensor)."""
     import keras
 
+    fix = "call gpupar.configure_devices(...) with the device options first thing in the script, before it"
     causes = []
     if isinstance(optimizer, keras.optimizers.Optimizer):
-        causes.append("the optimizer object, which Keras gave its variables when it was made: pass a function that "
-                      f"makes it, e.g. optimizer=lambda: keras.optimizers.{type(optimizer).__name__}(...), or its name")
-    if any(type(data).__module__.startswith("tensorflow") for data in (train_data, eval_data)):
-        causes.append("the tf.data.Dataset, made before the call: pass a dataset_fn(input_context) that makes it")
+        causes.append(f"the optimizer object, which Keras gave its variables when it was made: {fix}, or pass a "
+                      f"function that makes it (optimizer=lambda: keras.optimizers.{type(optimizer).__name__}(...))")
+    made = [m for m in _flat(metrics) if isinstance(m, keras.metrics.Metric)]
+    if made:
+        causes.append(f"the metric object {made[0].name!r}, which Keras gave its variables when it was made: {fix}, "
+                      "or pass its name, or compile the model in model_fn")
+    tensors = [d for d in _flat(data) if type(d).__module__.startswith("tensorflow")]
+    if tensors:
+        causes.append(f"the {type(tensors[0]).__name__} made before the call: {fix}")
     return "; ".join(causes)
+
+
+def _flat(structure) -> list:
+    """The leaves of a structure of lists, tuples and dicts."""
+    if isinstance(structure, dict):
+        structure = list(structure.values())
+    if isinstance(structure, (list, tuple)):
+        return [leaf for item in structure for leaf in _flat(item)]
+    return [structure]

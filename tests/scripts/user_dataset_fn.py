@@ -40,10 +40,11 @@ def model_fn():
                              keras.layers.Dense(2)])
 
 
+data = dict(zip("xy", examples(0, 1024)), per_replica_batch_size=BATCH) if as_arrays else dict(x=dataset_fn)
 result = gpupar.fit(
-    model_fn, examples(0, 1024) if as_arrays else dataset_fn, eval_data=examples(99, 256),
+    model_fn, **data, validation_data=examples(99, 256), metrics=["accuracy"],
     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer=lambda: keras.optimizers.Adam(0.01),
-    batch_size=BATCH, epochs=epochs, model_dir=model_dir, resume=True, display_step=1000,
+    epochs=epochs, model_dir=model_dir, resume=True,
 )
 weights = sum(float(np.sum(w)) for w in result.model.get_weights())
 print(f"user_dataset_fn done: {result.strategy_description.split(';')[0]}, val_accuracy "

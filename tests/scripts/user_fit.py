@@ -24,10 +24,10 @@ def model_fn():
 
 
 result = gpupar.fit(
-    model_fn, (x, y), eval_data=(x[:200], y[:200]),
+    model_fn, x, y, validation_data=(x[:200], y[:200]), metrics=["accuracy"],
     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer=lambda: keras.optimizers.SGD(0.1),
-    strategy=strategy, batch_size=16, epochs=epochs, model_dir=model_dir, resume=True,
-    checkpoint_every_steps=4, display_step=1000,
+    strategy=strategy, per_replica_batch_size=16, epochs=epochs, model_dir=model_dir, resume=True,
+    checkpoint_every_steps=4,
 )
 weights = sum(float(np.sum(w)) for w in result.model.get_weights())
 print(f"user_fit done: {result.replicas} replicas, val_accuracy {result.logs['val_accuracy']:.4f}, "

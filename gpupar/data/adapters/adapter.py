@@ -7,6 +7,9 @@ modes ask an adapter for batches and never which form it is.
 
 from typing import List, Optional, Tuple
 
+import tensorflow as tf
+
+from gpupar.data import array_pipeline
 from gpupar.errors import GpuparError
 
 
@@ -20,8 +23,9 @@ class DataAdapter:
     Attributes:
       form: What the data are, as errors name them ("a tuple", "a dataset_fn", ...).
       per_worker: Whether each parameter-server worker can make its own pipeline from the data.
-      per_replica_batches: Whether the form gives per-replica batches of its own (a dataset_fn)
-        rather than examples that gpupar batches by the global batch.
+      per_replica_batches: Whether the form gives per-replica batches of its own (a dataset_fn).
+      own_batches: Whether the form's elements are batches of its own (a batched dataset, a
+        PyDataset, a generator, a dataset_fn) rather than examples that gpupar batches.
       resume_note: What resuming mid-epoch does with this form; None where it replays exactly.
       device_transform: device_transform(x, step), applied to each replica's inputs at the start
         of the train step (the MNIST preset's augmentation), or None.
@@ -30,6 +34,7 @@ class DataAdapter:
 
     per_worker = False
     per_replica_batches = False
+    own_batches = False
     resume_note: Optional[str] = ("the data are not gpupar's arrays, so resuming mid-epoch skips the batches already "
                                   "trained: the same batches only if the data come in the same order on every run "
                                   "(e.g. a shuffle with a fixed seed)")
@@ -49,6 +54,23 @@ class DataAdapter:
     def prepare(self, input_options, seed: int):
         """The checks and counts that need TensorFlow; `input_options` and `seed` shape the pipelines."""
         self.options, self.seed = input_options, seed
+
+    def batch_size(self, input_options, replicas: int) -> int:
+        """Examples in one step over all replicas: batch_size, per_replica_batch_size times the replicas, or 32 (Keras'
+        default); a form with batches of its own gives its first batch's size and refuses both options.
+
+        Raises:
+          GpuparError: a batch option for data that bring their own batches.
+        """
+        given = input_options.batch_size or (input_options.per_replica_batch_size or 0) * replicas or None
+        if not self.own_batches:
+            return given or 32
+        if given:
+            option = "batch_size" if input_options.batch_size else "per_replica_batch_size"
+            raise GpuparError(f"{option} is set, but {self.role} is {self.form} whose batches are its own: each of its "
+                              f"batches is one step; drop {option}")
+        rows = len(tf.nest.flatten(self.sample())[0])
+        return rows * (replicas if self.per_replica_batches else 1)
 
     def sample(self, count: int = 4):
         """The first `count` examples as a batch of NumPy arrays (as the model sees them), for the checks before training."""
@@ -77,13 +99,23 @@ class DataAdapter:
         """One parameter-server worker's batches, from the global step first_step (per_worker forms only)."""
         raise GpuparError(f"{self.role} is {self.form}; each parameter-server worker needs a pipeline of its own")
 
-    def evaluation(self, global_batch: int) -> Tuple[object, int]:
-        """(the whole set in global batches, the last partial one included, repeated; batches in one pass)."""
+    def one_pass(self, global_batch: int) -> Tuple[object, int]:
+        """(the whole set once, in global batches, the last partial one included; batches in the pass)."""
         raise NotImplementedError
 
-    def distribute_evaluation(self, strategy, global_batch: int, per_pipeline: int):
-        """(the evaluation batches distributed over the strategy's replicas, steps in one pass)."""
-        dataset, steps = self.evaluation(global_batch)
+    def evaluation(self, global_batch: int, max_steps: Optional[int] = None):
+        """(the evaluation batches, repeated for one iterator per run; batches in one evaluation).
+
+        max_steps (validation_steps) evaluates the first max_steps batches each time, as Keras' fit.
+        """
+        dataset, steps = self.one_pass(global_batch)
+        if max_steps is not None and max_steps < steps:
+            dataset, steps = dataset.take(max_steps), max_steps
+        return dataset.repeat().prefetch(2).with_options(array_pipeline.no_autotune()), steps
+
+    def distribute_evaluation(self, strategy, global_batch: int, per_pipeline: int, max_steps: Optional[int] = None):
+        """(the evaluation batches distributed over the strategy's replicas, batches in one evaluation)."""
+        dataset, steps = self.evaluation(global_batch, max_steps)
         return strategy.experimental_distribute_dataset(dataset), steps
 
     def input_bound_hints(self) -> List[str]:

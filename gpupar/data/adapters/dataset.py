@@ -1,4 +1,4 @@
-"""An unbatched tf.data.Dataset, batched by the global batch; a resumed run skips the batches already trained."""
+"""A tf.data.Dataset: batched ones as they are (as model.fit takes them), unbatched ones batched by the global batch."""
 
 import math
 
@@ -13,21 +13,22 @@ INFINITE = -1  # the length of an endless dataset
 
 
 class DatasetAdapter(DataAdapter):
-    """A tf.data.Dataset of (x, y) or (x, y, sample_weight) examples, unbatched.
+    """A tf.data.Dataset of x, (x, y) or (x, y, sample_weight) elements.
 
-    Its length is known (examples), unknown, or infinite; an evaluation set must be finite, and
-    one of unknown length is counted once before training.
+    Batched, as Keras users pass it, each element is one step's global batch, split over the
+    replicas (the last partial batch of a pass too); unbatched, gpupar batches it by the global
+    batch. Its length (batches, or examples) is known, unknown, or infinite; an evaluation set
+    must be finite, and one of unknown length is counted once before training. A resumed run
+    skips the batches already trained.
     """
 
-    num_examples = None
+    num_examples = None  # examples (unbatched) or batches (batched) in one pass, where known
 
-    def __init__(self, data, role: str):
+    def __init__(self, data, role: str, class_weight=None):
         super().__init__(data, role)
         self.form = "a tf.data.Dataset"
-        if isinstance(data, tf.data.Dataset) and batched(data):
-            raise GpuparError(f"{role} is a batched tf.data.Dataset; pass it unbatched (gpupar batches it by the "
-                              "global batch: dataset.unbatch()), or pass a dataset_fn(input_context) that returns "
-                              "per-replica batches")
+        self.own_batches = isinstance(data, tf.data.Dataset) and batched(data)
+        self.class_weight = class_weight
 
     @classmethod
     def takes(cls, data) -> bool:
@@ -35,31 +36,38 @@ class DatasetAdapter(DataAdapter):
 
     def prepare(self, input_options, seed: int):
         super().prepare(input_options, seed)
+        if self.class_weight is not None:
+            self.data = self.data.map(weighted_by_class(self.class_weight))
+            self.class_weight = None
         count = counted(self.data, self.role)
-        if count == INFINITE and self.role == "eval_data":
+        if count == INFINITE and self.role != "x":
             raise GpuparError(f"{self.role} is endless; evaluation goes over the whole set once per epoch: give a "
                               "finite dataset (e.g. without .repeat())")
         self.num_examples = None if count == INFINITE else count
         self.description = self._describe(count)
 
     def _describe(self, count) -> str:
-        return f"a tf.data.Dataset of {count if count not in (None, INFINITE) else 'endless'} examples"
+        unit = "batches" if self.own_batches else "examples"
+        return f"a tf.data.Dataset of {count if count not in (None, INFINITE) else 'endless'} {unit}"
 
     def sample(self, count: int = 4):
-        return next(iter(self.data.batch(count).take(1).as_numpy_iterator()))
+        return next(iter((self.data if self.own_batches else self.data.batch(count)).take(1).as_numpy_iterator()))
 
     def steps_per_epoch(self, global_batch: int, batches_per_step: int = 1):
-        steps = None if self.num_examples is None else self.num_examples // global_batch
-        return whole_steps(steps, self.description, global_batch)
+        if self.num_examples is None:
+            return None
+        return whole_steps(self.num_examples if self.own_batches else math.ceil(self.num_examples / global_batch),
+                           self.description, global_batch)
 
     def batches(self, global_batch: int, first_step: int = 0, limit=None):
-        dataset = self.data.batch(global_batch, drop_remainder=True).repeat().skip(first_step)
-        dataset = dataset.prefetch(tf.data.AUTOTUNE).with_options(array_pipeline.options())
+        dataset = self.data if self.own_batches else self.data.batch(global_batch)
+        dataset = dataset.repeat().skip(first_step).prefetch(tf.data.AUTOTUNE).with_options(array_pipeline.options())
         return dataset if limit is None else dataset.take(limit)
 
-    def evaluation(self, global_batch: int):
-        dataset = self.data.batch(global_batch).repeat().prefetch(tf.data.AUTOTUNE)
-        return dataset.with_options(array_pipeline.options()), math.ceil(self.num_examples / global_batch)
+    def one_pass(self, global_batch: int):
+        dataset = self.data if self.own_batches else self.data.batch(global_batch)
+        steps = self.num_examples if self.own_batches else math.ceil(self.num_examples / global_batch)
+        return dataset.with_options(array_pipeline.options()), steps
 
 
 def batched(dataset) -> bool:
@@ -86,7 +94,30 @@ def counted(dataset, role: str):
     if count == tf.data.INFINITE_CARDINALITY:
         return INFINITE
     if count == tf.data.UNKNOWN_CARDINALITY:
-        if role != "eval_data":
+        if role == "x":
             return None
         count = int(dataset.reduce(np.int64(0), lambda n, _: n + 1))  # counted once, before training
     return count
+
+
+def weighted_by_class(class_weight):
+    """A map of (x, y[, sample_weight]) elements to (x, y, class_weight[class of y] [* sample_weight]), as Keras' fit.
+
+    The class of a label is the label (shape (N,) or (N, 1)), or its argmax for one-hot labels.
+    """
+    classes = max(class_weight) + 1
+    table = tf.constant([float(class_weight.get(c, 0.0)) for c in range(classes)], tf.float32)
+
+    def weigh(*element):
+        if len(element) < 2:
+            raise GpuparError("class_weight weighs the examples by their labels' classes, and the data have no y")
+        x, y = element[:2]
+        if isinstance(y, (dict, tuple, list)):
+            raise GpuparError("class_weight is only supported for models with a single output (as in Keras); give "
+                              "sample weights per output instead")
+        label = tf.argmax(y, axis=-1) if y.shape.rank > 1 and y.shape[-1] > 1 else tf.reshape(
+            tf.cast(tf.round(tf.cast(y, tf.float32)), tf.int64), [-1] if y.shape.rank else [])
+        weight = tf.gather(table, label)
+        return (x, y, weight if len(element) == 2 else weight * tf.cast(element[2], tf.float32))
+
+    return weigh

@@ -2,6 +2,7 @@
 
 import tensorflow as tf
 
+from gpupar.data import array_pipeline
 from gpupar.data.adapters.adapter import DataAdapter, whole_steps
 from gpupar.data.adapters.dataset import INFINITE, batched, counted
 from gpupar.errors import GpuparError
@@ -22,6 +23,7 @@ class DatasetFnAdapter(DataAdapter):
 
     per_worker = True
     per_replica_batches = True
+    own_batches = True
     batches_per_pass = None  # per-replica batches in one pass of one pipeline, where known
 
     def __init__(self, data, role: str):
@@ -35,7 +37,7 @@ class DatasetFnAdapter(DataAdapter):
     def prepare(self, input_options, seed: int):
         super().prepare(input_options, seed)
         count = counted(self._called(input_context(1)), self.role)
-        if count == INFINITE and self.role == "eval_data":
+        if count == INFINITE and self.role != "x":
             raise GpuparError(f"{self.role} is a dataset_fn of an endless dataset; evaluation needs a finite one")
         self.batches_per_pass = None if count == INFINITE else count
 
@@ -59,24 +61,30 @@ class DatasetFnAdapter(DataAdapter):
 
     def distribute(self, strategy, global_batch: int, first_step: int, limit, per_pipeline: int):
         def replica_batches(context):  # a pipeline gives per_pipeline batches a step
-            dataset = self.data(context).repeat().skip(first_step * per_pipeline)
+            dataset = self.data(context).repeat().skip(first_step * per_pipeline).with_options(array_pipeline.no_autotune())
             return dataset if limit is None else dataset.take(limit * per_pipeline)
 
         return strategy.distribute_datasets_from_function(replica_batches)
 
     def worker_batches(self, context, global_batch: int, first_step: int, limit, num_workers: int):
-        dataset = self.data(context).repeat().skip(first_step // num_workers)  # this worker's own pipeline
+        dataset = self.data(context).repeat().skip(first_step // num_workers).with_options(array_pipeline.no_autotune())  # its own
         return dataset if limit is None else dataset.take(limit)
 
-    def evaluation(self, global_batch: int):
+    def one_pass(self, global_batch: int):
         """The batches are the dataset_fn's own, from one input pipeline of one replica."""
-        return self.data(input_context(1)).repeat().prefetch(tf.data.AUTOTUNE), self.batches_per_pass
+        return self.data(input_context(1)), self.batches_per_pass
 
-    def distribute_evaluation(self, strategy, global_batch: int, per_pipeline: int):
+    def distribute_evaluation(self, strategy, global_batch: int, per_pipeline: int, max_steps=None):
+        if max_steps is not None and max_steps * per_pipeline < self.batches_per_pass:
+            steps = max_steps  # each pipeline gives the first max_steps batches of each of its replicas
+            dataset = strategy.distribute_datasets_from_function(
+                lambda context: self.data(context).take(max_steps * per_pipeline).repeat().with_options(array_pipeline.no_autotune()))
+            return dataset, steps
         if self.batches_per_pass % per_pipeline:
-            raise GpuparError(f"eval_data's dataset_fn gives {self.batches_per_pass} batches per input pipeline, not a "
+            raise GpuparError(f"validation_data's dataset_fn gives {self.batches_per_pass} batches per input pipeline, not a "
                               f"multiple of its {per_pipeline} replicas, so a last step would take batches of the "
                               "next pass; drop or pad the last batches, or give the evaluation set as arrays or a "
                               "dataset (gpupar splits a last partial batch itself)")
-        dataset = strategy.distribute_datasets_from_function(lambda context: self.data(context).repeat())
+        dataset = strategy.distribute_datasets_from_function(
+            lambda context: self.data(context).repeat().with_options(array_pipeline.no_autotune()))
         return dataset, self.batches_per_pass // per_pipeline

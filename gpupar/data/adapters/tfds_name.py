@@ -10,14 +10,14 @@ PREFIX = "tfds:"
 class TfdsAdapter(DatasetAdapter):
     """A TFDS data set by name, loaded once the strategy exists; the split "train" for training and "test" for evaluation."""
 
-    def __init__(self, data, role: str):
+    def __init__(self, data, role: str, class_weight=None):
         if not data.startswith(PREFIX):
             raise GpuparError(f"{role}={data!r}: a name of a data set must look like 'tfds:mnist' or "
                               "'tfds:cifar10:train'")
         parts = data[len(PREFIX):].split(":", 1)
         self.name = parts[0]
-        self.split = parts[1] if len(parts) == 2 else ("train" if role == "train_data" else "test")
-        super().__init__(data, role)
+        self.split = parts[1] if len(parts) == 2 else ("train" if role == "x" else "test")
+        super().__init__(data, role, class_weight)
         self.form = "a TFDS name"
 
     @classmethod

@@ -51,7 +51,7 @@ class Mode:
         """The task's model, built under the placement's scope; `sample` is one batch, for a subclassed model."""
         model = build()
         if not model.built:  # a subclassed model makes its variables on its first call
-            model(unpack(tuple(sample))[0], training=False)
+            model(unpack(sample)[0], training=False)
         return model
 
     def updated_variables(self, model) -> Tuple[Sequence, List[str]]:
@@ -85,9 +85,10 @@ def timed_calls(train, loss_scale=None):
     loss_scale: nan_policy=skip's loss scale, put back to 1 after every call (each skipped step halved it).
     """
     def run_steps(iterator, num_steps, first_call):
-        (loss, states), waited, busy = train(iterator, tf.constant(num_steps), tf.constant(first_call))
+        (loss, kept, examples, states), waited, busy = train(iterator, tf.constant(num_steps), tf.constant(first_call))
         if loss_scale is not None:
             loss_scale.assign(1.0)
-        return Results(num_steps, float(loss), [s.numpy() for s in states], float(waited), float(busy))
+        return Results(num_steps, float(loss), float(kept), float(examples), [s.numpy() for s in states],
+                       float(waited), float(busy))
 
     return run_steps

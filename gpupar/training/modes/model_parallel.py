@@ -23,9 +23,9 @@ from gpupar.errors import GpuparError
 from gpupar.models.staged import build_on_stages, chain_layers
 from gpupar.runtime.stages import StagePlan, plan_stages, stage_of_layers
 from gpupar.runtime.strategy import detected_plan, short_name
-from gpupar.runtime.teardown import keep_for_process
 from gpupar.training.engine import Placement, no_evaluation
-from gpupar.training.inner_loop import steps_in_one_call, timed_loop_iterations, unpack
+from gpupar.training.inner_loop import steps_in_one_call, timed_loop_iterations, unpack, weighed
+from gpupar.training.objective import len_rows
 from gpupar.training.modes.mode import Mode, refuse_own_step, timed_calls
 from gpupar.training.step import make_evaluation
 
@@ -191,9 +191,9 @@ def make_train_function(stages: Stages, optimizer, parallel_iterations: int = 1)
         loss, states, grads = stages.gradients(batch)
         # Keras applies each variable's update colocated with the variable: on its stage's device.
         optimizer.apply(grads, stages.model.trainable_variables)
-        return loss, states
+        return (*weighed(loss, len_rows(unpack(batch)[0])), states)
 
-    return steps_in_one_call(batch_step, (0.0, stages.objective.zero_states()), timed=True,
+    return steps_in_one_call(batch_step, (0.0, 0.0, 0.0, stages.objective.zero_states()), timed=True,
                              parallel_iterations=parallel_iterations)
 
 
@@ -221,10 +221,12 @@ class ModelParallel(Mode):
 
     def refuse(self, config):
         refuse_own_step(config, MODEL_PARALLEL, pipelined=True)
-        batch, microbatches = config.input.batch_size, config.distribution.microbatches
-        if batch % microbatches:
-            raise GpuparError(f"batch_size={batch} does not split into microbatches={microbatches} equal micro-batches; "
-                              "choose a batch_size that is a multiple of microbatches")
+        microbatches = config.distribution.microbatches
+        for option in ("batch_size", "per_replica_batch_size"):
+            batch = getattr(config.input, option)
+            if batch is not None and batch % microbatches:
+                raise GpuparError(f"{option}={batch} does not split into microbatches={microbatches} equal "
+                                  f"micro-batches; choose a {option} that is a multiple of microbatches")
 
     def refuse_task(self, task, config):
         for adapter in (task.train, task.evaluation):
@@ -240,8 +242,7 @@ class ModelParallel(Mode):
         distribution = config.distribution
         devices = detected_plan("auto", distribution.devices, max_cpus=config.device_setup.virtual_cpus or 1).devices
         plan = plan_stages(devices, len(distribution.stages) + 1)
-        description = (f"{plan.describe()}; {distribution.microbatches} micro-batch(es) of "
-                       f"{config.input.batch_size // distribution.microbatches} per replica")
+        description = f"{plan.describe()}; {distribution.microbatches} micro-batch(es) per replica"
         # Each stage places its variables itself (tf.device): the default strategy's scope.
         return Placement(description, tf.distribute.get_strategy(), plan.num_replicas, plan.num_replicas, devices,
                          stage_devices=plan.variable_devices, stage_ends=distribution.stages, plan=plan)
@@ -263,7 +264,7 @@ class ModelParallel(Mode):
 
         evaluate = no_evaluation
         if prepared.evaluation is not None:
-            dataset, steps = prepared.evaluation.evaluation(prepared.global_batch)
-            evaluate = make_evaluation(make_evaluate_function(stages), keep_for_process(iter(dataset)), steps,
+            dataset, steps = prepared.evaluation.evaluation(prepared.eval_batch, prepared.input.validation_steps)
+            evaluate = make_evaluation(make_evaluate_function(stages), iter(dataset), steps,
                                        prepared.objective, model)
         return prepared.engine(make_input, run_steps, evaluate)

@@ -30,9 +30,9 @@ from gpupar.runtime.cluster import Cluster
 from gpupar.runtime.devices import configure_devices
 from gpupar.runtime.network import warn_if_reachable
 from gpupar.runtime.strategy import SHARD_BYTES, build_strategy, detected_plan, max_shards, plan_strategy
-from gpupar.runtime.teardown import keep_for_process
 from gpupar.training.engine import Placement, no_evaluation
-from gpupar.training.inner_loop import Results, steps_in_one_call, unpack
+from gpupar.training.inner_loop import Results, steps_in_one_call, unpack, weighed
+from gpupar.training.objective import len_rows
 from gpupar.training.modes.mode import Mode, refuse_own_step
 from gpupar.training.step import make_evaluate_function, make_evaluation
 
@@ -160,15 +160,15 @@ def make_worker_step(strategy, model, optimizer, objective, variables):
                 loss += tf.add_n(model.losses)
         grads = tape.gradient(loss, [v.value for v in variables])
         optimizer.apply(grads, variables)  # on the ps tasks, without waiting for others
-        return loss, objective.metric_states(y, y_pred, sample_weight)
+        return (*weighed(loss, len_rows(x)), objective.metric_states(y, y_pred, sample_weight))
 
     steps = steps_in_one_call(lambda batch: strategy.run(replica_step, args=(batch,)),
-                              (0.0, objective.zero_states()))
+                              (0.0, 0.0, 0.0, objective.zero_states()))
 
     @tf.function
     def train(iterator, num_steps):
-        loss, states = steps(iterator, num_steps)
-        return loss, states, tf.distribute.coordinator.experimental_get_current_worker_index()
+        sums = steps(iterator, num_steps)
+        return sums, tf.distribute.coordinator.experimental_get_current_worker_index()
 
     return train
 
@@ -188,8 +188,9 @@ class Scheduler:
 
     def _collect(self) -> Results:
         num_steps, remote = self.pending.popleft()
-        loss, states, worker = _fetch(self.coordinator, remote)
-        return Results(num_steps, float(loss), [np.asarray(s) for s in states], by_worker={int(worker): num_steps})
+        (loss, kept, examples, states), worker = _fetch(self.coordinator, remote)
+        return Results(num_steps, float(loss), float(kept), float(examples), [np.asarray(s) for s in states],
+                       by_worker={int(worker): num_steps})
 
     def schedule(self, iterator, num_steps: int) -> Results:
         """Schedules one call of num_steps steps; returns the results of the calls that finished meanwhile."""
@@ -251,7 +252,7 @@ class ParameterServer(Mode):
 
     def refuse_task(self, task, config):
         if not task.train.per_worker:
-            raise GpuparError(f"strategy=parameter_server needs train_data as a dataset_fn(input_context), not "
+            raise GpuparError(f"strategy=parameter_server needs x as a dataset_fn(input_context), not "
                               f"{task.train.form}: each worker makes its own input pipeline with it (arrays or a "
                               "dataset made here would be copied into every worker's graph)")
 
@@ -298,8 +299,8 @@ class ParameterServer(Mode):
         evaluate = no_evaluation
         if prepared.evaluation is not None:
             log.info("evaluation: on the chief, reading the variables from the ps tasks")
-            dataset, steps = prepared.evaluation.evaluation(global_batch)
-            evaluate = make_evaluation(make_evaluate_function(None, model, objective), keep_for_process(iter(dataset)),
+            dataset, steps = prepared.evaluation.evaluation(prepared.eval_batch, prepared.input.validation_steps)
+            evaluate = make_evaluation(make_evaluate_function(None, model, objective), iter(dataset),
                                        steps, objective, model)
         # Unless told otherwise, a call per step: an epoch spreads evenly over the workers.
         return prepared.engine(make_input, lambda iterator, num_steps, first_call: scheduler.schedule(iterator, num_steps),

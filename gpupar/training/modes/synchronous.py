@@ -5,13 +5,16 @@ the optimizer's update (gpupar.training.step). One machine's devices (one_device
 central_storage) or a cluster's workers in lock step (multi_worker_mirrored).
 """
 
+import logging
+
 from gpupar.errors import GpuparError
-from gpupar.runtime.strategy import build_strategy, check_jit_compile, detected_plan
-from gpupar.runtime.teardown import keep_for_process
+from gpupar.runtime.strategy import build_strategy, detected_plan, jit_compile_refusal
 from gpupar.training.engine import Placement, no_evaluation
 from gpupar.training.inner_loop import timed_loop_iterations
 from gpupar.training.modes.mode import Mode, timed_calls
 from gpupar.training.step import make_evaluate_function, make_evaluation, make_train_function
+
+log = logging.getLogger("gpupar")
 
 
 class Synchronous(Mode):
@@ -24,16 +27,15 @@ class Synchronous(Mode):
 
     def refuse_task(self, task, config):
         accumulate = config.step.accumulate_steps
-        if task.train.per_replica_batches and accumulate > 1:
+        if task.train.own_batches and accumulate > 1:
             raise GpuparError(f"accumulate_steps={accumulate} makes each replica's batch {accumulate} times larger, and "
-                              "a dataset_fn's batches are its own: give arrays, a dataset or a TFDS name, or batch the "
-                              "dataset_fn larger and use accumulate_steps=1")
+                              f"{task.train.form}'s batches are its own: give arrays or an unbatched dataset, or make "
+                              "its batches larger and use accumulate_steps=1")
 
     def place(self, config, cluster) -> Placement:
         distribution = config.distribution
         plan = detected_plan(distribution.strategy, distribution.devices, distribution.cross_device_ops,
                              max_cpus=config.device_setup.virtual_cpus or 1, cluster=cluster)
-        check_jit_compile(config.step.jit_compile, plan)
         strategy = build_strategy(plan)  # a multi-worker strategy must come before any other TensorFlow work
         workers = plan.cluster.num_workers if plan.kind == "multi_worker_mirrored" else 1
         return Placement(plan.describe(), strategy, plan.num_replicas, plan.num_replicas, plan.devices,
@@ -42,9 +44,12 @@ class Synchronous(Mode):
     def build(self, prepared):
         placement, step, optimizer = prepared.placement, prepared.step, prepared.update_optimizer
         strategy, skips = placement.strategy, step.nan_policy == "skip"
+        refusal = jit_compile_refusal(placement.plan) if step.jit_compile else None
+        if refusal:
+            log.info(refusal)
         train_function = make_train_function(strategy, prepared.model, optimizer, prepared.objective, skips,
-                                             prepared.train.device_transform, step.jit_compile, step.accumulate_steps,
-                                             timed_loop_iterations(placement.on_gpus))
+                                             prepared.train.device_transform, step.jit_compile and not refusal,
+                                             step.accumulate_steps, timed_loop_iterations(placement.on_gpus))
         per_pipeline = placement.replicas // placement.input_pipelines
 
         def make_input(first_step, limit=None):
@@ -53,8 +58,8 @@ class Synchronous(Mode):
         evaluate = no_evaluation
         if prepared.evaluation is not None:
             dataset, steps = prepared.evaluation.distribute_evaluation(
-                strategy, prepared.global_batch // step.accumulate_steps, per_pipeline)
+                strategy, prepared.eval_batch, per_pipeline, prepared.input.validation_steps)
             evaluate = make_evaluation(make_evaluate_function(strategy, prepared.model, prepared.objective),
-                                       keep_for_process(iter(dataset)), steps, prepared.objective, prepared.model)
+                                       iter(dataset), steps, prepared.objective, prepared.model)
         return prepared.engine(make_input, timed_calls(train_function, optimizer.dynamic_scale if skips else None),
                                evaluate)
