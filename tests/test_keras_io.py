@@ -1,0 +1,42 @@
+"""Real Keras programs that nobody here wrote (keras-io's examples, shrunk: tests/keras_io/), ported by the rule.
+
+The rule: the model's build and compile move into model_fn, and model.fit( becomes
+gpupar.fit(model_fn, ...; nothing else of the script changes. Each example runs once with
+Keras' own model.fit on one device and once through gpupar.fit on 2 replicas; both must train and
+log the same names, with finite numbers.
+"""
+
+import functools
+import importlib
+import pkgutil
+
+import keras
+import numpy as np
+import pytest
+
+import gpupar
+import keras_io
+
+EXAMPLES = sorted(module.name for module in pkgutil.iter_modules(keras_io.__path__) if not module.name.startswith("_"))
+SLOW = {"mobilenetv2_from_scratch", "image_classification_from_scratch"}  # over 10 s each here
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in EXAMPLES])
+def test_a_keras_io_example_ports_by_the_rule(name, tmp_path):
+    example = importlib.import_module(f"keras_io.{name}")
+    for run in ("keras", "gpupar"):
+        (tmp_path / run).mkdir()
+    keras.utils.set_random_seed(0)
+    theirs = example.train(example.model_fn().fit, str(tmp_path / "keras"))
+    keras.utils.set_random_seed(0)
+    ours = example.train(functools.partial(gpupar.fit, example.model_fn, strategy="mirrored", virtual_cpus=2,
+                                           save=False), str(tmp_path / "gpupar"))
+    assert ours.replicas == 2
+    assert set(ours.history) == set(theirs.history), name  # the same logs, under Keras' names
+    assert len(ours.epoch) == len(theirs.epoch)
+    for log_name, values in ours.history.items():
+        assert np.all(np.isfinite(values)), (name, log_name)
+
+
+def test_at_least_ten_examples_are_ported():
+    assert len(EXAMPLES) >= 10
