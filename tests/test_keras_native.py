@@ -372,6 +372,8 @@ def test_bad_new_arguments_are_one_line_before_any_step():
 def test_a_compiled_model_and_fits_own_loss_are_refused_together():
     with pytest.raises(GpuparError, match="model_fn returns a model compiled with its own loss, and gpupar.fit got loss="):
         gpupar.fit(_compiled(), *_data(), loss="mse", save=False)
+    with pytest.raises(GpuparError, match="the model is compiled with run_eagerly=True"):
+        gpupar.fit(_compiled(run_eagerly=True), *_data(), save=False)
 
 
 # --- callbacks, verbose, many fits ----------------------------------------------------------------------------------
