@@ -34,6 +34,7 @@ _LAZY = {
     "TrainingInterrupted": "gpupar.training.interrupt",
     "FitResult": "gpupar.training.result",
     "EpochRecord": "gpupar.training.result",
+    "global_mean": "gpupar.training.own_step",
 }
 
 __all__ = ["Config", "DevicePlan", "GpuparError", "Plan", "StagePlan", "diagnose", "diagnose_mnist", "fit", "fit_mnist",

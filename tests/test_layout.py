@@ -84,7 +84,8 @@ def test_the_walk_finds_a_circle_when_there_is_one():
 LAYERS = ["gpupar.errors", "gpupar.config", "gpupar.runtime", "gpupar.data", "gpupar.models", "gpupar.monitor",
           "gpupar.training", "gpupar.presets", "gpupar.commands", "gpupar", "gpupar.cli", "gpupar.__main__"]
 # Inside training, the steps' chain: step <- engine <- modes <- setup <- loop <- run.
-TRAINING = ["gpupar.training.objective", "gpupar.training.inner_loop", "gpupar.training.step", "gpupar.training.engine",
+TRAINING = ["gpupar.training.objective", "gpupar.training.inner_loop", "gpupar.training.step", "gpupar.training.own_step",
+            "gpupar.training.engine",
             "gpupar.training.modes", "gpupar.training.setup", "gpupar.training.observers", "gpupar.training.loop",
             "gpupar.training.run"]
 

@@ -76,6 +76,7 @@ class Prepared:
       signature: The model and its shape-defining options, as checkpoints record them.
       learning_rate: The learning rate to put back after restoring a checkpoint, or None.
       visible_gpus: The physical GPUs in use.
+      own_step: Whether the model's own train_step is the step (gpupar.training.own_step).
     """
 
     placement: Placement
@@ -97,11 +98,14 @@ class Prepared:
     signature: dict
     learning_rate: Optional[float]
     visible_gpus: Sequence[int]
+    own_step: bool = False
 
     def engine(self, make_input, run_steps, evaluate, finish=Results, steps_per_call=None) -> "Engine":
         """The complete Engine: the mode's own parts (its input, steps and evaluation) with everything shared.
 
         steps_per_call None: the loop options' (steps_per_call, else display_step capped at the epoch).
+        A model's own train_step keeps its metrics in the model: reset when an epoch begins, as
+        model.fit does, and checkpointed, so that an epoch resumed mid-way reports the whole epoch.
         """
         placement = self.placement
         return Engine(
@@ -111,7 +115,13 @@ class Prepared:
             steps_per_call=steps_per_call or self.loop.steps_in_a_call(self.steps_per_epoch), make_input=make_input,
             run_steps=run_steps, finish=finish, evaluate=evaluate, weights_finite=make_finite_check(self.model),
             updates=self.optimizer.iterations, signature=self.signature, learning_rate=self.learning_rate,
-            visible_gpus=self.visible_gpus, on_gpus=placement.on_gpus, lockstep_workers=placement.lockstep_workers)
+            visible_gpus=self.visible_gpus, on_gpus=placement.on_gpus, lockstep_workers=placement.lockstep_workers,
+            begin_epoch=self.model.reset_metrics if self.own_step else _nothing,
+            step_state=tuple(self.model.metrics_variables) if self.own_step else ())
+
+
+def _nothing():
+    """An epoch's beginning where the step keeps no state of its own."""
 
 
 def no_evaluation() -> dict:
@@ -149,6 +159,9 @@ class Engine:
       visible_gpus: The physical GPUs in use (for the utilisation sampler).
       on_gpus: Whether the compute devices are GPUs.
       lockstep_workers: Whether a cluster's workers step in lock step (Placement.lockstep_workers).
+      begin_epoch: begin_epoch(), called when an epoch starts at its first step.
+      step_state: Variables of the step's own that checkpoints hold besides the model's weights and
+        optimizer (a model's own train_step's metrics).
     """
 
     description: str
@@ -172,6 +185,8 @@ class Engine:
     visible_gpus: Sequence[int] = ()
     on_gpus: bool = False
     lockstep_workers: bool = False
+    begin_epoch: Callable[[], None] = _nothing
+    step_state: Sequence = ()
 
     def start(self, first_step: int, limit: Optional[int] = None):
         """The training input from a global step (after restoring; at most `limit` steps)."""

@@ -45,6 +45,7 @@ class Results:
       waited: Seconds the devices waited for input batches; None where not timed.
       busy: Seconds of the steps themselves; None where not timed.
       by_worker: Steps finished by each worker (parameter servers), else empty.
+      step_logs: What a model's own train_step returned at the last of these steps, else None.
     """
 
     steps: int = 0
@@ -55,6 +56,7 @@ class Results:
     waited: Optional[float] = None
     busy: Optional[float] = None
     by_worker: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    step_logs: Optional[Mapping[str, float]] = None
 
     def __add__(self, other: "Results") -> "Results":
         def plus(mine, theirs):
@@ -67,7 +69,8 @@ class Results:
             self.states or other.states)
         return Results(self.steps + other.steps, self.loss + other.loss, self.kept_examples + other.kept_examples,
                        self.examples + other.examples, states, plus(self.waited, other.waited),
-                       plus(self.busy, other.busy), workers)
+                       plus(self.busy, other.busy), workers,
+                       other.step_logs if other.step_logs is not None else self.step_logs)
 
 
 def all_finite(tensors):
@@ -102,7 +105,8 @@ def timed_loop_iterations(on_gpus: bool) -> int:
     return 10 if on_gpus else 1
 
 
-def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_iterations=1):
+def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_iterations=1, combine=None,
+                      reductions=None):
     """A tf.function(iterator, num_steps) that runs batch_step on num_steps batches in one call.
 
     batch_step(batch) returns a structure of float32 tensors shaped like `zeros`; they come back
@@ -116,8 +120,11 @@ def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_it
     long a device sits idle for input); skip_first_wait leaves out the wait for the first batch (a
     fresh pipeline filling up). On a GPU the timestamps are host-side: the call ends when its sums
     have reached the host. parallel_iterations: steps of the timed loop under way at once
-    (timed_loop_iterations).
+    (timed_loop_iterations). combine(totals, values) and reductions (a ReduceOp for each part of
+    `zeros`) replace the sums, over steps and over replicas, where a step's results are not sums
+    (a model's own train_step: its last logs, averaged over the replicas).
     """
+    combine = combine or _add
 
     def start():
         fresh = lambda: tf.nest.map_structure(lambda z: tf.zeros(np.shape(z), tf.float32), zeros)  # noqa: E731
@@ -125,13 +132,14 @@ def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_it
 
     def step(totals, batch):
         if strategy is None:
-            return _add(totals, batch_step(batch))
-        return strategy.run(lambda replica_totals, share: _add(replica_totals, batch_step(share)), args=(totals, batch))
+            return combine(totals, batch_step(batch))
+        return strategy.run(lambda replica_totals, share: combine(replica_totals, batch_step(share)), args=(totals, batch))
 
     def reduced(totals):
         if strategy is None:
             return totals
-        return tf.nest.map_structure(lambda value: strategy.reduce(SUM, value, axis=None), totals)
+        ops = reductions if reductions is not None else tf.nest.map_structure(lambda _: SUM, zeros)
+        return tf.nest.map_structure(lambda op, value: strategy.reduce(op, value, axis=None), ops, totals)
 
     @tf.function
     def run(iterator, num_steps):

@@ -14,7 +14,7 @@ import logging
 import math
 import signal
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -41,6 +41,7 @@ class EpochTotals:
       states: The metrics' states summed over the steps (gpupar.training.objective), flattened.
       seconds: Wall time of the steps.
       by_worker: Steps each worker ran (parameter servers), by worker index as a string.
+      step_logs: What a model's own train_step returned at its last step so far, else None.
     """
 
     steps: int = 0
@@ -51,6 +52,7 @@ class EpochTotals:
     states: List[list] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
     by_worker: Dict[str, int] = dataclasses.field(default_factory=dict)
+    step_logs: Optional[Dict[str, float]] = None
 
     @classmethod
     def from_dict(cls, values) -> "EpochTotals":
@@ -74,6 +76,15 @@ class EpochTotals:
                 np.asarray(s).tolist() for s in results.states]
         for worker, steps in results.by_worker.items():
             self.by_worker[str(worker)] = self.by_worker.get(str(worker), 0) + steps
+        if results.step_logs is not None:
+            self.step_logs = dict(results.step_logs)
+
+    def non_finite(self) -> Tuple[Optional[str], Optional[float]]:
+        """(name, value) of the first figure that is NaN or infinite (the loss, a model's own step's logs), else (None, None)."""
+        for name, value in [("loss", self.loss), *(self.step_logs or {}).items()]:
+            if not math.isfinite(value):
+                return name, value
+        return None, None
 
     def since(self, earlier: "EpochTotals") -> "EpochTotals":
         """The sums of the steps after `earlier`."""
@@ -81,10 +92,12 @@ class EpochTotals:
                                                              [np.zeros_like(s) for s in self.states])]
         return EpochTotals(self.steps - earlier.steps, self.skipped - earlier.skipped, self.examples - earlier.examples,
                            self.kept_examples - earlier.kept_examples, self.loss - earlier.loss, states, self.seconds - earlier.seconds,
-                           {w: n - earlier.by_worker.get(w, 0) for w, n in self.by_worker.items()})
+                           {w: n - earlier.by_worker.get(w, 0) for w, n in self.by_worker.items()}, self.step_logs)
 
     def logs(self, objective) -> dict:
-        """{"loss": ..., "<metric>": ...} of these steps, Keras' names."""
+        """{"loss": ..., "<metric>": ...} of these steps, Keras' names; a model's own step's last logs as it returned them."""
+        if self.step_logs is not None:
+            return dict(self.step_logs)
         logs = {"loss": self.loss / max(self.kept_examples, 1)}
         if self.states:
             logs.update(objective.results(self.states))
@@ -158,11 +171,11 @@ class Loop:
         engine = self.engine
         before, current.finished = current.finished, current.finished + results.steps
         current.totals.add(results, skipped)
-        loss = current.totals.loss
-        if not math.isfinite(loss):
+        name, value = current.totals.non_finite()
+        if name is not None:
             where = f"step {current.finished}" if before + 1 == current.finished else \
                 f"one of steps {before + 1}..{current.finished}"
-            raise GpuparError(f"training loss became {loss} at epoch {current.epoch}, {where}; "
+            raise GpuparError(f"training {name} became {value} at epoch {current.epoch}, {where}; "
                               f"{_stopped_without_saving(self.checkpoints.latest)}")
         self.observers.on_call_end(CallEnd(self.done, current.epoch, current.finished, results,
                                            lambda: current.totals.logs(engine.objective)))
@@ -212,6 +225,8 @@ class Loop:
         """
         per_epoch, every, stop = self.engine.steps_per_epoch, self.options.checkpoint_every_steps, self.stop
         current = _Epoch(epoch, start)
+        if start.step == 0:
+            self.engine.begin_epoch()
         while current.asked < per_epoch:
             if stop.signum:
                 self._interrupt(stop, self._save_step(current))

@@ -90,7 +90,8 @@ def _train(config: Config, task: Task) -> FitResult:
 def _run(config: Config, outputs, engine, task, stop, cluster, scratch_dir, started) -> FitResult:
     checkpoints = Checkpoints(outputs.model_dir, engine.model, engine.optimizer, outputs.max_to_keep,
                               engine.global_batch, engine.signature, outputs.save,
-                              engine.update_optimizer if config.step.precision == "mixed_float16" else None)
+                              engine.update_optimizer if config.step.precision == "mixed_float16" else None,
+                              engine.step_state)
     saved_at = checkpoints.restore(outputs.resume)
     if scratch_dir is not None:
         checkpoints.write_to(scratch_dir)  # a non-chief worker: it restores the chief's, keeps nothing

@@ -21,6 +21,7 @@ from gpupar.runtime.devices import configure_devices
 from gpupar.training.engine import Engine, Prepared
 from gpupar.training.inner_loop import unpack
 from gpupar.training.objective import Objective
+from gpupar.training.own_step import has_own_step, own_step_note
 
 log = logging.getLogger("gpupar")
 
@@ -58,15 +59,18 @@ def build_engine(config, task, mode, cluster=None) -> Engine:
     global_batch = per_step * config.step.accumulate_steps  # examples per update
     steps_per_epoch = _steps_per_epoch(config.loop, train, global_batch, placement)
     model, compiled, updated, inner, applied = _model_and_optimizer(config.step, task, mode, placement, train)
+    own_step = compiled.own_step
     step, loop = _with_compile_options(config.step, config.loop, compiled)
     if placement.on_gpus and fall_back_from_xla(model, xla_batch_norm_error(placement.devices[0])):
         log.warning("XLA could not compile the batch norm on %s, so it runs as Keras' BatchNormalization (the same "
                     "variables, slower): CUDA's ptxas and libdevice are missing; pip install 'tensorflow[and-cuda]' "
                     "brings them", placement.devices[0])
-    objective = _checked_objective(compiled, model, train)
+    objective = None if own_step else _checked_objective(compiled, model, train)
     _compiled_for_keras(model, compiled, applied, placement)
     _log_batch(per_step, placement, step, train)
     _log_step_options(step)
+    if own_step:
+        log.info(own_step_note(model))
     return mode.build(Prepared(
         placement=placement, model=model, optimizer=inner, update_optimizer=applied, updated_variables=updated,
         objective=objective, train=train, evaluation=evaluation, global_batch=global_batch,
@@ -74,7 +78,7 @@ def build_engine(config, task, mode, cluster=None) -> Engine:
         distribution=config.distribution, input=config.input, step=step, loop=loop, seed=config.seed,
         signature=task.signature or _signature(model),
         learning_rate=None if compiled.optimizer is not None else config.step.learning_rate,
-        visible_gpus=devices.visible_gpus))
+        visible_gpus=devices.visible_gpus, own_step=own_step))
 
 
 def _placed(config, cluster, task, mode):
@@ -119,6 +123,8 @@ class Compiled:
       steps_per_execution: compile's steps_per_execution (1: not given).
       jit_compile: compile's jit_compile, resolved by Keras (False on a machine without accelerators).
       by_user: Whether the model came compiled from model_fn.
+      own_step: Whether the model's own train_step trains it (gpupar.training.own_step); its compile
+        says only the optimizer (its own, used as it is), steps_per_execution and jit_compile.
     """
 
     optimizer: Any = None
@@ -129,6 +135,7 @@ class Compiled:
     steps_per_execution: int = 1
     jit_compile: bool = False
     by_user: bool = False
+    own_step: bool = False
 
 
 def compile_arguments(model, task) -> Compiled:
@@ -137,7 +144,11 @@ def compile_arguments(model, task) -> Compiled:
     Raises:
       GpuparError: a compiled model and fit's own loss, metrics or optimizer too; run_eagerly.
     """
+    own_step = has_own_step(model)
     if not getattr(model, "compiled", False):
+        if own_step:
+            raise GpuparError(f"{type(model).__name__} has its own train_step and is not compiled; compile it in "
+                              "model_fn as before model.fit (its step uses what compile gives it)")
         return Compiled(task.optimizer, task.loss, metrics=task.metrics)
     given = [name for name in ("loss", "metrics", "optimizer") if getattr(task, name) is not None]
     if given:
@@ -149,7 +160,33 @@ def compile_arguments(model, task) -> Compiled:
                           "debugging; gpupar runs its step in one tf.function per call: compile without it")
     return Compiled(model.optimizer, settings.get("loss"), settings.get("loss_weights"), settings.get("metrics"),
                     settings.get("weighted_metrics"), int(settings.get("steps_per_execution") or 1),
-                    bool(settings.get("jit_compile")), by_user=True)
+                    bool(settings.get("jit_compile")), by_user=True, own_step=own_step)
+
+
+def _refuse_own_step(model, mode, step):
+    """The model, unless it has its own train_step and the mode or the step options cannot run it: one line, its class.
+
+    Asked as soon as model_fn returns, before a mode's own checks of the model.
+    """
+    if not has_own_step(model):
+        return model
+    name = type(model).__name__
+    if not mode.takes_own_step:
+        raise GpuparError(f"{name} has its own train_step, which the {mode.name} mode cannot run (its step is "
+                          "gpupar's, split over stages or workers); train it with strategy=mirrored, one_device, "
+                          "central_storage or multi_worker_mirrored")
+    if step.accumulate_steps > 1:
+        raise GpuparError(f"{name} has its own train_step, which applies its own updates: accumulate_steps="
+                          f"{step.accumulate_steps} cannot add up its gradients; use accumulate_steps=1 (or accumulate "
+                          "in the step)")
+    if step.nan_policy == "skip":
+        raise GpuparError(f"{name} has its own train_step, which applies its own updates: nan_policy=skip cannot drop "
+                          "them; use nan_policy=stop (training stops at a non-finite log, the last checkpoint kept)")
+    if step.precision == "mixed_float16":
+        raise GpuparError(f"{name} has its own train_step, whose optimizers do not scale the loss as mixed_float16 "
+                          "needs; use precision=mixed_bfloat16 or float32, or wrap them in "
+                          "keras.optimizers.LossScaleOptimizer in the model and keep precision=float32")
+    return model
 
 
 def _with_compile_options(step, loop, compiled: Compiled):
@@ -172,8 +209,13 @@ def _model_and_optimizer(step, task, mode, placement, train):
     try:
         with placement.strategy.scope():
             with replica_consistent_state():  # the model's state only: the optimizer's keeps Keras' aggregation
-                model = mode.build_model(task.build_model, placement, train.sample())
+                model = mode.build_model(lambda: _refuse_own_step(task.build_model(), mode, step), placement,
+                                         train.sample())
             compiled = compile_arguments(model, task)
+            if compiled.own_step:
+                if not compiled.optimizer.built:
+                    compiled.optimizer.build(model.trainable_variables)  # as model.fit builds it
+                return model, compiled, model.trainable_variables, compiled.optimizer, compiled.optimizer
             updated, split = mode.updated_variables(model)
             inner = _optimizer(compiled.optimizer, step.learning_rate)
             applied = _loss_scaled(inner, step)
@@ -262,7 +304,8 @@ def _loss_scaled(inner, step):
 
 def _signature(model) -> dict:
     """What a checkpoint records of a model it did not get a preset's options for (Keras numbers its names)."""
-    return {"model": type(model).__name__, "variables": len(model.weights), "parameters": int(model.count_params())}
+    parameters = sum(int(np.prod(weight.shape)) for weight in model.weights)  # count_params() needs a built model
+    return {"model": type(model).__name__, "variables": len(model.weights), "parameters": parameters}
 
 
 def _checked_objective(compiled: Compiled, model, train):

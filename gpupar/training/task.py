@@ -73,9 +73,6 @@ def user_task(model_fn, train, evaluation, loss, metrics, optimizer, callbacks, 
         model = model_fn()
         if not isinstance(model, keras.Model):
             raise GpuparError(f"model_fn returned a {type(model).__name__}, not a keras.Model")
-        if type(model).train_step is not keras.Model.train_step:
-            raise GpuparError(f"{type(model).__name__} has its own train_step, which gpupar does not run (it runs a "
-                              "distributed step of its own); put the computation in call() and pass the loss to fit")
         return model
 
     return Task(build_model, train, evaluation, loss, metrics, optimizer, tuple(callbacks),

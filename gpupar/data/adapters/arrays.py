@@ -66,11 +66,17 @@ class ArrayAdapter(DataAdapter):
             host_transform=self.host_transform, num_parallel_calls=options.num_parallel_calls if options else None,
             deterministic=options.deterministic if options else True, threads=options.data_threads if options else None,
             shuffle=options.shuffle if options else True)
-        return dataset if limit is None else dataset.take(limit)
+        return self._as_keras_packs(dataset if limit is None else dataset.take(limit))
 
     def one_pass(self, global_batch: int):
-        return (array_pipeline.eval_dataset(self.arrays, global_batch, self.transform),
+        return (self._as_keras_packs(array_pipeline.eval_dataset(self.arrays, global_batch, self.transform)),
                 array_pipeline.test_steps(self.num_examples, global_batch))
+
+    def _as_keras_packs(self, dataset):
+        """Batches of x alone as x, not (x,), where x is no tuple: what Keras gives a model's own train_step."""
+        if len(self.arrays) == 1 and not isinstance(self.arrays[0], (tuple, list)):
+            return dataset.map(lambda x: x)
+        return dataset
 
     def split(self, validation_split: float):
         """(the first examples, the last `validation_split` of them), as Keras' fit splits them before shuffling."""

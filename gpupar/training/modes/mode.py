@@ -18,9 +18,11 @@ class Mode:
 
     Attributes:
       name: The mode's name ("synchronous", "model_parallel", "parameter_server"): a strategy name where one names it.
+      takes_own_step: Whether the mode runs a model's own train_step; the others refuse such a model.
     """
 
     name = ""
+    takes_own_step = False  # whether it runs a model's own train_step (gpupar.training.own_step)
 
     def selected(self, distribution, cluster) -> bool:
         """Whether the Distribution options (and the cluster, or None) ask for this mode."""
@@ -50,7 +52,9 @@ class Mode:
     def build_model(self, build, placement: Placement, sample):
         """The task's model, built under the placement's scope; `sample` is one batch, for a subclassed model."""
         model = build()
-        if not model.built:  # a subclassed model makes its variables on its first call
+        # A subclassed model makes its variables on its first call; one whose layers are all built
+        # already (a GAN of two built models, which may have no call() of its own) is left as it is.
+        if not model.built and not all(layer.built for layer in model._flatten_layers(include_self=False)):
             model(unpack(sample)[0], training=False)
         return model
 
@@ -90,5 +94,21 @@ def timed_calls(train, loss_scale=None):
             loss_scale.assign(1.0)
         return Results(num_steps, float(loss), float(kept), float(examples), [s.numpy() for s in states],
                        float(waited), float(busy))
+
+    return run_steps
+
+
+def own_step_calls(train, first_step_check):
+    """run_steps for a model's own train_step (gpupar.training.own_step): one call, its rows and last logs on the host.
+
+    The first call is checked to have updated something (own_step.FirstStepCheck).
+    """
+    def run_steps(iterator, num_steps, first_call):
+        first_step_check.before()
+        (rows, logs), waited, busy = train(iterator, tf.constant(num_steps), tf.constant(first_call))
+        first_step_check.after()
+        rows = float(rows)
+        return Results(num_steps, 0.0, rows, rows, [], float(waited), float(busy),
+                       step_logs={name: float(value) for name, value in logs.items()})
 
     return run_steps

@@ -1,0 +1,235 @@
+"""A model's own train_step (and test_step), run on every replica as model.fit runs it, K steps per call.
+
+GANs, distillation, VAEs and contrastive models override `keras.Model.train_step`: the step,
+its optimizers (a GAN keeps two as attributes), its losses and its metrics are the model's.
+gpupar runs it as model.fit does under a strategy, inside `strategy.run` on each replica's share
+of the batch, the logs it returns averaged over the replicas, and around it gpupar's own call of
+K steps (gpupar.training.inner_loop), its loop, checkpoints and exact resume.
+
+What gpupar's own step guarantees and a model's own step decides for itself: the loss's
+reduction over the global batch (Keras' loss objects divide by the replica count, which the
+optimizer's sum over replicas undoes; `global_mean` reduces per-example values as gpupar's own
+step does). What still holds: Keras' random layers and SeedGenerators draw apart on each replica,
+batch-norm statistics are averaged over the replicas, and the optimizers' all-reduce is Keras'.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from gpupar.errors import GpuparError
+from gpupar.models.layers import replica_seeds
+from gpupar.training.inner_loop import SUM, steps_in_one_call
+
+MEAN = tf.distribute.ReduceOp.MEAN
+_KERAS_MODEL = keras.Model
+
+
+def has_own_step(model) -> bool:
+    """Whether the model's class overrides train_step (a test_step alone is refused).
+
+    Raises:
+      GpuparError: the class overrides test_step but not train_step.
+    """
+    own_train = type(model).train_step is not _KERAS_MODEL.train_step
+    if not own_train and type(model).test_step is not _KERAS_MODEL.test_step:
+        raise GpuparError(f"{type(model).__name__} overrides test_step but not train_step; gpupar trains such a model "
+                          "with its own step, which evaluates with the compiled loss and metrics: override train_step "
+                          "too, or put the evaluation in the compiled metrics")
+    return own_train
+
+
+def own_step_note(model) -> str:
+    """The log line that says what gpupar leaves to a model's own train_step, and what it still does."""
+    return (f"step: {type(model).__name__}'s own train_step on each replica, as model.fit runs it; its losses are its "
+            "own (Keras' loss objects are right across replicas; gpupar.global_mean reduces per-example values over "
+            "the global batch; a value it logs from a loss object reads 1/replicas of it, as under model.fit), while "
+            "random draws differ per replica and batch-norm statistics are averaged")
+
+
+def global_mean(values, sample_weight=None):
+    """The mean of per-example values over the GLOBAL batch, from inside one replica's step.
+
+    Each replica returns its sum divided by the count (or the sum of sample weights) over all
+    replicas, so the replicas' values add up to the global batch's mean, and the optimizer's sum
+    of the replicas' gradients is the gradient of that mean: gpupar's own step reduces its loss
+    so, a last uneven batch included. Outside a strategy it is the plain (weighted) mean.
+
+    Args:
+      values: Per-example values, any shape; every element counts once.
+      sample_weight: Weights broadcastable to `values`, or None.
+
+    Returns:
+      A float32 scalar: this replica's share of the global mean.
+    """
+    values = tf.cast(values, tf.float32)
+    weights = tf.ones_like(values) if sample_weight is None else tf.broadcast_to(
+        tf.cast(sample_weight, tf.float32), tf.shape(values))
+    total, count = tf.reduce_sum(values * weights), tf.reduce_sum(weights)
+    context = tf.distribute.get_replica_context()
+    if context is not None and context.num_replicas_in_sync > 1:
+        count = context.all_reduce(SUM, count)
+    return tf.math.divide_no_nan(total, count)
+
+
+def _rows(batch):
+    """Examples in a replica's share of the batch: the leading size of its first tensor."""
+    first = tf.nest.flatten(batch, expand_composites=True)[0]
+    return tf.cast(tf.shape(first)[0], tf.float32)
+
+
+def _checked_logs(model, logs, step_name):
+    """The step's logs as {name: float32 scalar}, or a one-line error naming the model's class."""
+    where = f"{type(model).__name__}.{step_name}"
+    if not isinstance(logs, dict) or not all(isinstance(k, str) for k in logs):
+        raise GpuparError(f"{where} returned a {type(logs).__name__}; return a dict of scalars such as "
+                          "{'d_loss': ..., 'g_loss': ...}, as Keras' train_step does")
+    checked = {}
+    for name, value in _flat_logs(logs):
+        try:
+            value = tf.convert_to_tensor(value)
+        except (TypeError, ValueError):
+            raise GpuparError(f"{where} returned {name!r} as a {type(value).__name__}; each value it returns must be "
+                              "one number (a metric's result(), a mean loss)") from None
+        if value.shape.rank != 0 or not (value.dtype.is_floating or value.dtype.is_integer):
+            raise GpuparError(f"{where} returned {name!r} of shape {value.shape.as_list()} and dtype {value.dtype.name}; "
+                              "each value it returns must be one number (a metric's result(), a mean loss)")
+        checked[name] = tf.cast(value, tf.float32)
+    return checked
+
+
+def _flat_logs(logs):
+    """(name, value) of the logs, a dict among them (a CompileMetrics' result()) spread into its items as Keras does."""
+    for name, value in logs.items():
+        if isinstance(value, dict):
+            yield from _flat_logs(value)
+        else:
+            yield name, value
+
+
+def _replica_step(model, step_name, jit_compile=False):
+    """batch -> (rows, logs) on one replica: the model's own step with replica-apart random draws.
+
+    Not converted by AutoGraph, as model.fit does not convert a train_step: Python control flow in
+    it runs once, when it is traced, as under model.fit.
+    """
+    @tf.autograph.experimental.do_not_convert
+    def step(batch):
+        with replica_seeds():
+            logs = getattr(model, step_name)(batch)
+        return _rows(batch), _checked_logs(model, logs, step_name)
+    return tf.function(step, jit_compile=True) if jit_compile else step
+
+
+def probe(strategy, model, element_spec, step_name="train_step") -> list:
+    """Traces one replica step without running it; returns the names of the logs it returns, in order.
+
+    Tracing makes what the step makes on its first call (each optimizer's variables, beside the
+    variables it updates), so that a checkpoint can be restored into them before training; and it
+    checks what the step returns, before any checkpoint is written.
+
+    Raises:
+      GpuparError: the step returns something other than a dict of scalars.
+    """
+    step = _replica_step(model, step_name)
+    with _built_outside_the_step(optimizers_of(model), strategy):
+        traced = tf.function(lambda batch: strategy.run(step, args=(batch,)), autograph=False).get_concrete_function(
+            element_spec)
+    _, logs = traced.structured_outputs
+    return list(logs)
+
+
+@contextlib.contextmanager
+def _built_outside_the_step(optimizers, strategy):
+    """While open, an optimizer that builds itself inside the traced step makes its variables outside it.
+
+    A Keras optimizer makes its variables on its first apply_gradients, with the variables it is
+    given; inside a tf.function under MirroredStrategy those cannot be made (their initial values
+    would depend on the function's inputs). So its build runs eagerly, in the strategy's scope,
+    on the same variables, as if it had been built before the step.
+    """
+    patched = [optimizer for optimizer in optimizers if not optimizer.built]
+    for optimizer in patched:
+        def build(variables, build=optimizer.build):
+            def eagerly(*_):
+                with tf.init_scope(), strategy.scope():
+                    build(variables)
+            context = tf.distribute.get_replica_context()
+            context.merge_call(eagerly) if context is not None else eagerly()
+        optimizer.__dict__["build"] = build
+    try:
+        yield
+    finally:
+        for optimizer in patched:
+            del optimizer.__dict__["build"]
+
+
+def make_own_train_function(strategy, model, names, jit_compile=False, parallel_iterations=1):
+    """Returns train(iterator, num_steps, skip_first_wait) -> ((rows, logs), input wait s, step s).
+
+    Runs the model's train_step on every replica, num_steps steps in one tf.function call: rows
+    summed over replicas and steps, the logs the last step returned, averaged over the replicas
+    as model.fit reduces them.
+    """
+    zeros = (0.0, {name: 0.0 for name in names})
+    return steps_in_one_call(_replica_step(model, "train_step", jit_compile), zeros, timed=True, strategy=strategy,
+                             parallel_iterations=parallel_iterations, combine=_rows_summed_logs_last,
+                             reductions=(SUM, {name: MEAN for name in names}))
+
+
+def _rows_summed_logs_last(totals, values):
+    return totals[0] + values[0], values[1]
+
+
+def make_own_evaluation(strategy, model, iterator, num_steps: int, names):
+    """Returns evaluation() -> {"val_<name>": ...}: the model's test_step over num_steps batches, its metrics reset first."""
+    zeros = (0.0, {name: 0.0 for name in names})
+    evaluate = steps_in_one_call(_replica_step(model, "test_step"), zeros, strategy=strategy,
+                                 combine=_rows_summed_logs_last, reductions=(SUM, {name: MEAN for name in names}))
+
+    def evaluation():
+        model.reset_metrics()
+        _, logs = evaluate(iterator, tf.constant(num_steps))
+        return {f"val_{name}": float(value) for name, value in logs.items()}
+
+    return evaluation
+
+
+def optimizers_of(model) -> list:
+    """The Keras optimizers the model holds (compile's, and those its compile keeps as attributes), each once."""
+    found, seen = [], set()
+    for value in [getattr(model, "optimizer", None), *vars(model).values()]:
+        if isinstance(value, keras.optimizers.Optimizer) and id(value) not in seen:
+            found.append(value)
+            seen.add(id(value))
+    return found
+
+
+class FirstStepCheck:
+    """Checks, after the first call, that the model's own step updated something: an optimizer's count or a weight.
+
+    A train_step that updates no variable trains nothing; said in one line naming the class,
+    before the first checkpoint is written.
+    """
+
+    def __init__(self, model):
+        self.model, self.checked = model, False
+        self.counts = self.sums = None
+
+    def before(self):
+        if not self.checked:
+            self.counts = [int(o.iterations.numpy()) for o in optimizers_of(self.model)]
+            self.sums = [float(np.sum(np.abs(w.numpy()))) for w in self.model.trainable_weights]
+
+    def after(self):
+        if self.checked:
+            return
+        self.checked = True
+        counts = [int(o.iterations.numpy()) for o in optimizers_of(self.model)]
+        sums = [float(np.sum(np.abs(w.numpy()))) for w in self.model.trainable_weights]
+        if counts == self.counts and sums == self.sums:
+            raise GpuparError(f"{type(self.model).__name__}.train_step updated no variable in its first steps (no "
+                              "optimizer applied gradients, no weight changed); call an optimizer's apply_gradients "
+                              "(or apply) on the gradients in train_step")
