@@ -129,6 +129,19 @@ def test_a_users_own_script_under_launch_trains_resumes_after_a_killed_worker_an
 
 
 @pytest.mark.slow
+def test_a_model_with_its_own_train_step_trains_on_two_workers_to_the_same_weights(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "scripts", "user_gan.py")
+    launch = Launch(["--workers=2"], [sys.executable, script, str(tmp_path / "model"), "2"])
+    status = launch.finish(timeout=240)
+    assert status == 0, launch.output[-3000:]
+    launch.assert_no_strays()
+    done = dict(re.findall(r"\[(worker:\d)\] user_gan done: 2 replicas, d_loss \S+, weights (\S+)", launch.output))
+    assert set(done) == {"worker:0", "worker:1"} and done["worker:0"] == done["worker:1"], launch.output[-3000:]
+    metrics = json.loads((tmp_path / "model" / "metrics.json").read_text())
+    assert set(metrics["logs"]) == {"d_loss", "g_loss"} and len(metrics["history"]) == 2
+
+
+@pytest.mark.slow
 def test_the_parameter_server_script_runs_unchanged_on_synchronous_workers(tmp_path):
     """tests/scripts/user_dataset_fn.py, run with ps tasks in test_parameter_server.py, on two workers alone."""
     script = os.path.join(os.path.dirname(__file__), "scripts", "user_dataset_fn.py")

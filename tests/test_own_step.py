@@ -353,3 +353,10 @@ def test_a_non_finite_log_stops_training_and_keeps_the_last_checkpoint(tmp_path)
                                           r"\(the last good checkpoint .*step-6 is kept\)"):
         _fit(gan_fn, x, save=True, model_dir=model_dir, checkpoint_every_steps=3, steps_per_call=1, shuffle=False)
     assert {name.split(".")[0] for name in os.listdir(os.path.join(model_dir, "within_epoch"))} >= {"step-6"}
+
+
+def test_diagnose_measures_a_models_own_step():
+    report = gpupar.diagnose(gan_fn, _images(1024), batch_size=32, strategy="mirrored", virtual_cpus=2)
+    assert report.global_batch == 32 and report.steps >= 4
+    assert min(report.input_examples_per_second, report.step_examples_per_second,
+               report.together_examples_per_second) > 0 and report.bound_by.startswith(("input pipeline", "train step"))

@@ -115,8 +115,13 @@ def _pull(iterator, num_steps):
     """Takes num_steps batches from the iterator and touches them, so that they must arrive."""
     total = tf.constant(0, tf.int64)
     for _ in tf.range(num_steps):
-        for labels in tf.nest.flatten(next(iterator)[1], expand_composites=True):
-            total += tf.cast(tf.reduce_sum(labels), tf.int64)
+        batch = next(iterator)
+        touched = batch[1] if isinstance(batch, tuple) and len(batch) > 1 else batch  # the labels, else x
+        for part in tf.nest.flatten(touched, expand_composites=True):
+            if part.dtype.is_floating or part.dtype.is_integer or part.dtype.is_bool:
+                total += tf.cast(tf.reduce_sum(tf.cast(part, tf.float32)), tf.int64)
+            else:
+                total += tf.cast(tf.size(part), tf.int64)
     return total
 
 
