@@ -5,7 +5,7 @@ DATA_DIR ?= /usr/share/datasets/fashion-mnist
 RUN_DIR ?= runs/fashion_mnist
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: venv data train test test-fast bench bench-input bench-pipeline docs clean
+.PHONY: venv data train test test-fast bench bench-input bench-pipeline bench-keras-io bench-own-step docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,12 @@ bench-input: venv data
 
 bench-pipeline: venv data
 	$(VENV)/bin/python -m benchmarks.pipeline --data_dir=$(DATA_DIR)
+
+bench-keras-io: venv
+	$(VENV)/bin/python -m benchmarks.keras_io
+
+bench-own-step: venv
+	$(VENV)/bin/python -m benchmarks.own_step
 
 # docs/flags.md is generated from Config's field docstrings; a test checks that it is current.
 docs: venv
