@@ -4,9 +4,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, make_idx_dir
 
 
+@pytest.mark.slow
 def test_quick_input_benchmark_measures_every_placement(tmp_path):
     folder = make_idx_dir(tmp_path / "data")
     out = tmp_path / "b.json"

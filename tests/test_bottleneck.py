@@ -60,6 +60,7 @@ def _fit(idx_dir, **options):
     return gpupar.fit_mnist(**{**defaults, **options})
 
 
+@pytest.mark.slow
 def test_host_augmentation_made_slow_is_reported_input_bound_in_the_first_epoch(tmp_path, capsys, slow_host_warp):
     # 16 steps: more than the prefetch buffer fills while the step traces and compiles.
     result = _fit(make_idx_dir(tmp_path / "data", num_train=4096), augment=True, augment_on="host")

@@ -126,6 +126,7 @@ def _merged_output(*args, **env):
                           text=True, timeout=300, env={**clean, **env})
 
 
+@pytest.mark.slow
 def test_a_plain_run_starts_with_gpupars_own_lines(shared_idx_dir):
     run = [f"--data_dir={shared_idx_dir}", "--epochs=1", "--steps_per_epoch=1", "--per_replica_batch_size=16", "--nosave"]
     quiet = _merged_output(*run)

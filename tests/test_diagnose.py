@@ -22,6 +22,7 @@ def _options(idx_dir, **options):
     return dict(data_dir=idx_dir, per_replica_batch_size=256, strategy="one_device", dropout=0.0, **options)
 
 
+@pytest.mark.slow
 def test_slow_host_augmentation_is_input_bound(idx_dir, slow_host_warp):
     report = diagnose(steps=4, **_options(idx_dir, augment=True, augment_on="host"))
     assert report.input_bound and report.bound_by == "input pipeline"
@@ -46,6 +47,7 @@ def test_too_few_steps_to_judge_is_an_error_before_any_work(idx_dir):
         diagnose(steps=3, **_options(idx_dir))
 
 
+@pytest.mark.slow
 def test_cli_prints_json(idx_dir):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     out = subprocess.run(
@@ -76,6 +78,7 @@ def test_the_verdict_follows_from_the_three_rates(rates, expected):
     assert verdict(*rates) == expected
 
 
+@pytest.mark.slow
 def test_virtual_cpus_say_what_the_input_wait_cannot_tell(idx_dir):
     report = diagnose(steps=4, data_dir=idx_dir, per_replica_batch_size=128, strategy="mirrored", virtual_cpus=2, dropout=0.0)
     assert "counts a replica waiting for a CPU thread as waiting for input" in report.format()

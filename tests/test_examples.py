@@ -8,10 +8,11 @@ import sys
 import pytest
 
 EXAMPLES = sorted(pathlib.Path(__file__).parent.parent.joinpath("examples").glob("*.py"))
-CLUSTERS = ("model_parallel.py", "multi_worker.py", "parameter_server.py")  # several processes or many traces: slow
+SLOW = ("model_parallel.py", "multi_worker.py", "parameter_server.py",  # several processes or many traces
+        "input_bound.py", "sync_multi_device.py", "one_device_checkpoints.py", "gan.py", "multi_input.py")  # over 10 s each here
 
 
-@pytest.mark.parametrize("script", [pytest.param(p, marks=pytest.mark.slow) if p.name in CLUSTERS else p
+@pytest.mark.parametrize("script", [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW else p
                                     for p in EXAMPLES], ids=[p.name for p in EXAMPLES])
 def test_example_runs_in_quick_mode(script):
     result = subprocess.run(

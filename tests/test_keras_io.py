@@ -18,7 +18,8 @@ import gpupar
 import keras_io
 
 EXAMPLES = sorted(module.name for module in pkgutil.iter_modules(keras_io.__path__) if not module.name.startswith("_"))
-SLOW = {"mobilenetv2_from_scratch", "image_classification_from_scratch"}  # over 10 s each here
+SLOW = {"mobilenetv2_from_scratch", "image_classification_from_scratch",  # over 10 s each here
+        "oxford_pets_image_segmentation", "bidirectional_lstm_imdb"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in EXAMPLES])

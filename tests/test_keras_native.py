@@ -412,6 +412,7 @@ print("alive", sum(m() is not None for m in models))
 """
 
 
+@pytest.mark.slow
 def test_twelve_fits_in_one_process_leave_nothing_behind_and_the_process_ends():
     """Each fit's model, pipelines and iterators go when it returns; the process ends without waiting on them."""
     done = subprocess.run([sys.executable, "-c", MANY_FITS], capture_output=True, text=True, timeout=300,

@@ -318,6 +318,7 @@ def _fit(data_dir, **options):
     return gpupar.fit_mnist(**{**defaults, **options})
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_split_and_unsplit_models(shared_idx_dir, tmp_path):
     """Split runs (with micro-batches) and one-device runs resume each other and end with the same weights."""
     fit = functools.partial(_fit, shared_idx_dir, lstm_layers=2)  # two stages: as telling as three, faster to trace

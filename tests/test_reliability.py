@@ -73,6 +73,7 @@ def test_step_checkpoints_and_mid_epoch_resume_match_an_uninterrupted_run(shared
     assert _close(resumed.model.get_weights(), reference)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_exits_143_and_resume_finishes(shared_idx_dir, tmp_path, reference):
     model_dir = str(tmp_path / "run")
     process = _start(shared_idx_dir, model_dir)
@@ -219,6 +220,7 @@ def test_nan_policy_stop_names_epoch_and_step(shared_idx_dir, monkeypatch, tmp_p
     assert not os.path.exists(tmp_path / "run" / "ckpt-1.index")
 
 
+@pytest.mark.slow
 def test_full_disk_during_a_save_keeps_the_last_checkpoint(shared_idx_dir, tmp_path):
     import resource
 
@@ -265,6 +267,7 @@ def test_many_skipped_steps_do_not_wear_out_the_loss_scale(shared_idx_dir, monke
     assert result.records[-1].skipped_steps < 16  # the clean batches still train at the end
 
 
+@pytest.mark.slow
 def test_mid_epoch_checkpoint_resumes_with_another_global_batch(shared_idx_dir, tmp_path, capsys):
     model_dir = str(tmp_path / "run")
     _fit(shared_idx_dir, model_dir=model_dir, checkpoint_every_steps=6, steps_per_epoch=7)  # saves step 6

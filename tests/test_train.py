@@ -177,6 +177,7 @@ def _cosine(a, b):
     return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
+@pytest.mark.slow
 def test_jit_compile_compiles_the_step_and_keeps_the_update(shared_idx_dir, capsys):
     plain = _fit(shared_idx_dir, strategy="one_device", per_replica_batch_size=32)
     compiled = _fit(shared_idx_dir, strategy="one_device", per_replica_batch_size=32, jit_compile=True)
@@ -212,6 +213,7 @@ def test_jit_compile_puts_each_replica_step_in_one_xla_computation():
     assert compiled_calls(True) and not compiled_calls(False)
 
 
+@pytest.mark.slow
 def test_jit_compile_with_several_cpu_replicas_trains_without_xla_and_says_so(shared_idx_dir, caplog):
     caplog.set_level("INFO", "gpupar")
     compiled = _fit(shared_idx_dir, strategy="mirrored", virtual_cpus=2, per_replica_batch_size=16, jit_compile=True)
