@@ -34,12 +34,13 @@ from gpupar.config import Config  # noqa: E402
 from gpupar.data import array_pipeline as pipeline, mnist_images as mnist  # noqa: E402
 from gpupar.errors import GpuparError  # noqa: E402
 from gpupar.models import convnet, lstm  # noqa: E402
-from gpupar.models.staged import build_on_stages  # noqa: E402
+from gpupar.models.staged import build_on_stages, chain_layers  # noqa: E402
 from gpupar.runtime.devices import configure_devices  # noqa: E402
-from gpupar.runtime.stages import StagePlan, plan_stages  # noqa: E402
+from gpupar.runtime.stages import StagePlan, plan_stages, stage_of_layers  # noqa: E402
 from gpupar.training.objective import Objective  # noqa: E402
 from gpupar.presets.mnist import LOSS, METRICS  # noqa: E402
-from gpupar.training.modes.model_parallel import Stages, make_train_function  # noqa: E402
+from gpupar.training.steps.pipelined import PipelineStep  # noqa: E402
+from gpupar.training.steps.step import train_function  # noqa: E402
 
 FLAGS = flags.FLAGS
 MICROBATCHES = (1, 4)
@@ -71,12 +72,13 @@ def models(lstm_units):
 def pipelined(build, ends, plan, microbatches, sample):
     """The train function of the model build() makes, split at `ends` over plan, with its Adam optimizer."""
     keras.utils.set_random_seed(SEED)
-    model, stage_of = build_on_stages(build, ends, plan.variable_devices)
+    model = build_on_stages(build, ends, plan.variable_devices)
+    stage_of = stage_of_layers([layer.name for layer in chain_layers(model)], ends)
     optimizer = keras.optimizers.Adam(1e-3)
     optimizer.build(model.trainable_variables)
     images, labels = sample
     objective = Objective(LOSS, METRICS, labels, model(images).numpy())
-    return make_train_function(Stages(model, stage_of, plan, objective, microbatches), optimizer)
+    return train_function(PipelineStep(model, stage_of, plan, objective, optimizer, microbatches), None)
 
 
 def ideal_speedup(stages: int, microbatches: int) -> float:
@@ -87,7 +89,7 @@ def ideal_speedup(stages: int, microbatches: int) -> float:
 def configurations(splits, batch_size, lstm_units, names=MODELS):
     """Every configuration of the named models, ready to time: row fields and a `run(steps)` closure."""
     devices = [f"/cpu:{i}" for i in range(MAX_DEVICES)]
-    dataset = pipeline.train_dataset((splits.train_images, splits.train_labels), batch_size, SEED, transform=mnist.normalise)
+    dataset = pipeline.train_dataset((splits.train_images, splits.train_labels), batch_size, SEED).map(mnist.normalise)
     rows = []
     for name, ends, build in [m for m in models(lstm_units) if m[0] in names]:
         stages = len(ends) + 1
@@ -149,7 +151,7 @@ def schedule_probe(splits, batch_size, seconds=0.2, repeats=3):
     schedule beats the critical path, one micro-batch through the three stages: 3 / M x seconds.
     """
     devices = [f"/cpu:{i}" for i in range(MAX_DEVICES)]
-    dataset = pipeline.train_dataset((splits.train_images, splits.train_labels), batch_size, SEED, transform=mnist.normalise)
+    dataset = pipeline.train_dataset((splits.train_images, splits.train_labels), batch_size, SEED).map(mnist.normalise)
     rows = []
     def build():
         layers = [keras.Input((28, 28, 1))]

@@ -10,7 +10,7 @@ stdin: `run` times `steps` steps and prints their images/s (and, for gpupar, the
 waiting for input, in the steps and on the host); `profile DIR` (gpupar only) does the same under
 the TensorBoard profiler and adds the op time by kind; `quit` prints the peak memory and exits.
 
-Runners: `gpupar` (gpupar's engine with Config options), `fit` (Keras model.fit on the same
+Runners: `gpupar` (gpupar's trainer with Config options), `fit` (Keras model.fit on the same
 model, data and strategy; options: steps_per_execution, gpupar_threads, keras_batch_norm: the
 ConvNet with Keras' own BatchNormalization, as plain Keras code has it); for both, the option
 user_model trains benchmarks/user_model.py's CNN instead (gpupar through gpupar.fit's path), `towers` (the classic
@@ -86,40 +86,39 @@ def serve(run_steps, steps, on_profile=None):
 
 
 def gpupar_runner(spec):
-    """gpupar's engine, set up as gpupar.fit_mnist would: calls of steps_per_call steps."""
+    """gpupar's trainer, set up as gpupar.fit_mnist would: calls of steps_per_call steps."""
     from benchmarks.ops import op_seconds
     from benchmarks.user_model import user_cnn, user_loss
     from gpupar.data.adapters import adapter_for
     from gpupar.data.idx import load_idx_dir
     from gpupar.presets.mnist import mnist_run
     from gpupar.presets.mnist_options import mnist_options
-    from gpupar.training import modes
-    from gpupar.training.setup import build_engine
+    from gpupar.training.setup import build_trainer
     from gpupar.training.task import user_task
 
     replicas, options = spec["replicas"], dict(spec["options"])
     user = options.pop("user_model", False)
-    config, task = mnist_run(*mnist_options(options=dict(
+    config, task, mode = mnist_run(*mnist_options(options=dict(
         dataset="fashion_mnist", data_dir=spec["data_dir"], per_replica_batch_size=spec["batch_size"],
         virtual_cpus=replicas if replicas > 1 else None, **options)))
     if user:  # the user CNN through gpupar.fit's own path
         splits = load_idx_dir(spec["data_dir"])
         task = user_task(user_cnn, adapter_for(splits.train_images, splits.train_labels), None, user_loss(),
                          ["accuracy"], None, ())
-    engine = build_engine(config, task, modes.checked(config))
-    if engine.replicas != replicas:
-        raise SystemExit(f"benchmarks.workers: asked for {replicas} replicas, got {engine.description}")
-    iterator = engine.start(0)
-    engine.run_calls(iterator, 1, first_call=True)
-    say(first_step_seconds=time.perf_counter() - STARTED, strategy=";".join(engine.description.split(";")[:2]),
-        steps_per_call=engine.steps_per_call)
-    engine.run_calls(iterator, engine.steps_per_call)  # a full-size call, untimed
+    trainer = build_trainer(config, task, mode)
+    if trainer.replicas != replicas:
+        raise SystemExit(f"benchmarks.workers: asked for {replicas} replicas, got {trainer.description}")
+    iterator = trainer.start(0)
+    trainer.run_calls(iterator, 1, first_call=True)
+    say(first_step_seconds=time.perf_counter() - STARTED, strategy=";".join(trainer.description.split(";")[:2]),
+        steps_per_call=trainer.steps_per_call)
+    trainer.run_calls(iterator, trainer.steps_per_call)  # a full-size call, untimed
 
     def timed(steps):
         started, cpu = time.perf_counter(), cpu_seconds()
-        results = engine.run_calls(iterator, steps)
+        results = trainer.run_calls(iterator, steps)
         seconds = time.perf_counter() - started
-        return {"images_per_second": steps * engine.global_batch / seconds, "input_wait_seconds": results.waited,
+        return {"images_per_second": steps * trainer.global_batch / seconds, "input_wait_seconds": results.waited,
                 "step_seconds": results.busy, "host_seconds": seconds - results.waited - results.busy,
                 "seconds": seconds, "cores_busy": (cpu_seconds() - cpu) / seconds}
 
@@ -187,8 +186,9 @@ def fit_runner(spec):
                     cores_busy=(cpu_seconds() - self.cpu) / seconds)
 
     # The same input pipeline as gpupar's: for the user CNN the uint8 images, which it rescales itself.
-    dataset = pipeline.train_dataset((splits.train_images, splits.train_labels), global_batch, 0,
-                                     transform=None if options.get("user_model") else mnist.normalise)
+    dataset = pipeline.train_dataset((splits.train_images, splits.train_labels), global_batch, 0)
+    if not options.get("user_model"):
+        dataset = dataset.map(mnist.normalise)
     model.fit(dataset, epochs=10**9, steps_per_epoch=spec["steps"], callbacks=[Driven()], verbose=0)
 
 

@@ -1,9 +1,16 @@
 """gpupar: train Keras models on every device a machine has, on tf.distribute.
 
-    import gpupar, keras
-    result = gpupar.fit(lambda: keras.Sequential([...]), (x, y), eval_data=(x_test, y_test), strategy="mirrored")
-    result = gpupar.fit_mnist(dataset="fashion_mnist", data_dir="/usr/share/datasets/fashion-mnist")
+>>> import gpupar, keras, numpy as np
+>>> x, y = np.random.default_rng(0).normal(size=(64, 4)).astype("float32"), np.arange(64) % 2
+>>> def model_fn():
+...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+...     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+...     return model
+>>> result = gpupar.fit(model_fn, x, y, batch_size=16, epochs=2, validation_split=0.25, verbose=0, save=False)
+>>> sorted(result.history), len(result.epoch)
+(['accuracy', 'loss', 'val_accuracy', 'val_loss'], 2)
 
+The MNIST presets: gpupar.fit_mnist(dataset="fashion_mnist", data_dir="/usr/share/datasets/fashion-mnist").
 Importing gpupar does not import TensorFlow; the names that need it load on first use, so a bad
 option is reported before TensorFlow starts.
 """
@@ -34,12 +41,11 @@ _LAZY = {
     "TrainingInterrupted": "gpupar.training.interrupt",
     "FitResult": "gpupar.training.result",
     "EpochRecord": "gpupar.training.result",
-    "global_mean": "gpupar.training.own_step",
+    "global_mean": "gpupar.training.steps.own",
 }
 
 __all__ = ["Config", "DevicePlan", "GpuparError", "Plan", "StagePlan", "diagnose", "diagnose_mnist", "fit", "fit_mnist",
-           "plan_devices",
-           "plan_stages", "plan_strategy", *_LAZY]
+           "plan_devices", "plan_stages", "plan_strategy", "strategy", *_LAZY]
 
 
 class _StdoutHandler(logging.StreamHandler):
@@ -80,60 +86,70 @@ _RENAMED = {"train_data": "x (and y)", "eval_data": "validation_data"}
 
 
 def _fit_config(config, options) -> Config:
-    """The Config of gpupar.fit: the options over `config`, none of them an MNIST preset's or a renamed one."""
+    """The Config of gpupar.fit: the options over `config` (or the process strategy's), none of them an MNIST
+    preset's or a renamed one."""
     from gpupar.presets.mnist_options import OPTION_NAMES
+    from gpupar.training.process import process_config
 
     for name in options:
         if name in _RENAMED:
-            raise GpuparError(f"{name} is now {_RENAMED[name]}, as in model.fit: gpupar.fit(model_fn, x, y, "
+            raise GpuparError(f"{name} is now {_RENAMED[name]}, as in model.fit: gpupar.fit(model, x, y, "
                               "validation_data=(x_val, y_val), ...)")
         if name in OPTION_NAMES:
             raise GpuparError(f"{name} is an option of the MNIST presets (gpupar.fit_mnist); gpupar.fit trains your "
-                              "model on your data: build those into model_fn and x"
+                              "model on your data: build those into your model and x"
                               + (" (stop early with stop_at={'val_accuracy': ...})" if name == "stop_at_accuracy"
                                  else ""))
-    return Config.from_options(config, **options)
+    return Config.from_options(process_config(config), **options)
 
 
-def _fit_run(model_fn, data, loss, metrics, optimizer, callbacks, config, fit_options, options):
-    """(Config, Task) of gpupar.fit's or gpupar.diagnose's arguments, every check that needs no TensorFlow done."""
+def _fit_run(model, data, loss, metrics, optimizer, callbacks, config, fit_options, options):
+    """(Config, Task, the checked mode) of gpupar.fit's or gpupar.diagnose's arguments, every check that needs no
+    TensorFlow done."""
     given = {name: value for name, value in fit_options.items() if value != _FIT_OPTIONS[name]}
     config = _fit_config(config, {**options, **given})
     from gpupar.data.adapters import fit_data
+    from gpupar.training import modes
     from gpupar.training.task import user_task
 
+    mode = modes.checked(config)
     train, validation = fit_data(**data)
-    return config, user_task(model_fn, train, validation, loss, metrics, optimizer, callbacks or (),
-                             raw=(data["x"], data["validation_data"]))
+    return config, user_task(model, train, validation, loss, metrics, optimizer, callbacks or (),
+                             raw=(data["x"], data["validation_data"]), seeded="seed" in options), mode
 
 
-def fit(model_fn, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None, validation_split=0.0,
+def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None, validation_split=0.0,
         validation_data=None, shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0,
         steps_per_epoch=None, validation_steps=None, validation_batch_size=None, validation_freq=1, *, loss=None,
         metrics=None, optimizer=None, config: Config = None, **options):
-    """Trains the Keras model that model_fn builds, as model.fit would, on every device the options pick.
+    """Trains a Keras model as model.fit would, on every device the options (or gpupar.strategy) pick.
 
-    A Keras script ports by moving the model's build and compile into model_fn and calling
-    gpupar.fit(model_fn, ...) where it called model.fit(...): every argument after model_fn means
-    what it means in model.fit.
+    A script written to Keras' multi-GPU guide ports by two renames: `tf.distribute.MirroredStrategy()`
+    becomes `gpupar.strategy("mirrored")` (its `with strategy.scope():` blocks stay), and
+    `model.fit(` becomes `gpupar.fit(model, `: every argument after the model means what it means
+    in model.fit, and fitting the same model again continues its training.
 
     Args:
-      model_fn: A function of no arguments that returns a keras.Model (Sequential, functional or
-        subclassed; any number of inputs and outputs), compiled or not. gpupar calls it under the
-        strategy's scope; a compiled model trains with its compile() arguments.
+      model: A built, compiled keras.Model, or a function of no arguments that returns one
+        (model_fn: gpupar calls it under the strategy's scope). A model built under
+        gpupar.strategy(...) trains as it is, its optimizer's state kept from fit to fit; one built
+        outside any strategy trains as it is on one device, and is rebuilt under the strategy
+        (from its config, weights and compile arguments) for several, its trained weights copied
+        back at the end.
       x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data, shuffle,
         class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps,
         validation_batch_size, validation_freq: As model.fit's. x may also be a
         dataset_fn(input_context) of per-replica batches or a TFDS name ("tfds:cifar10").
         batch_size is the global batch, split over the replicas (per_replica_batch_size= asks for
         a batch per replica instead).
-      loss, metrics, optimizer: For a model that model_fn does not compile: as model.compile's
+      loss, metrics, optimizer: For a model that comes uncompiled: as model.compile's
         (optimizer None: Adam(learning_rate)). A Keras optimizer or metric object made before the
         call has started TensorFlow: where device options must still apply, call
-        gpupar.configure_devices(...) first thing in the script.
-      config: gpupar's options as a Config; None for the defaults.
+        gpupar.strategy(...) (or gpupar.configure_devices(...)) first thing in the script.
+      config: gpupar's options as a Config; None for the defaults (those of gpupar.strategy(...),
+        where the process made one).
       **options: gpupar's options (Config fields) over `config`: strategy, virtual_cpus,
-        model_dir, resume, accumulate_steps, precision, nan_policy, ...
+        model_dir, resume, accumulate_steps, precision, nan_policy, seed, ...
 
     Returns:
       A FitResult, usable where Keras' History is: .history ({"loss": [...], "val_loss": [...]}),
@@ -152,8 +168,34 @@ def fit(model_fn, x=None, y=None, batch_size=None, epochs=1, verbose="auto", cal
     fit_options = dict(batch_size=batch_size, epochs=epochs, verbose=verbose, shuffle=shuffle,
                        initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                        validation_batch_size=validation_batch_size, validation_freq=validation_freq)
-    return train_and_evaluate(*_fit_run(model_fn, data, loss, metrics, optimizer, callbacks, config, fit_options,
+    return train_and_evaluate(*_fit_run(model, data, loss, metrics, optimizer, callbacks, config, fit_options,
                                         options))
+
+
+def strategy(kind: str = "auto", **options):
+    """The process's tf.distribute.Strategy, made once: what Keras' multi-GPU guide makes at the top of a script.
+
+    It configures the devices (or joins the cluster) first, so it is the script's first
+    TensorFlow line; it uses logical devices the script configured itself. Every later
+    gpupar.fit takes its options as defaults and, with them, this very object: a model built
+    under `with strategy.scope():` trains through gpupar.fit(model, ...) as it is.
+
+    Args:
+      kind: auto, one_device, mirrored, central_storage, multi_worker_mirrored or parameter_server.
+      **options: Device options (virtual_cpus, gpus, memory_growth, memory_limit_mb, ...) and the
+        strategy's (devices, cross_device_ops, ps_shards, slurm_ps).
+
+    Returns:
+      The tf.distribute.Strategy, the same object for the same options for the rest of the
+      process. On a parameter-server cluster's ps and worker tasks it serves and never returns.
+
+    Raises:
+      GpuparError: a bad option, a kind the devices or the cluster cannot run, or device settings
+        that TensorFlow, already started, can no longer make.
+    """
+    from gpupar.training.process import process_strategy
+
+    return process_strategy(kind, **options)
 
 
 def fit_mnist(config: Config = None, optimizer=None, callbacks=(), preset=None, **options):
@@ -180,12 +222,12 @@ def fit_mnist(config: Config = None, optimizer=None, callbacks=(), preset=None, 
     return train_and_evaluate(*mnist_run(*mnist_options(config, preset, options), optimizer, callbacks))
 
 
-def diagnose(model_fn, x=None, y=None, batch_size=None, sample_weight=None, *, loss=None, metrics=None,
+def diagnose(model, x=None, y=None, batch_size=None, sample_weight=None, *, loss=None, metrics=None,
              optimizer=None, config: Config = None, steps: int = 30, **options):
     """Measures what bounds training of your model on your data: the input pipeline or the step.
 
     Args:
-      model_fn, x, y, batch_size, sample_weight, loss, metrics, optimizer, config, **options: as gpupar.fit's.
+      model, x, y, batch_size, sample_weight, loss, metrics, optimizer, config, **options: as gpupar.fit's.
       steps: Timed steps in each of the three measurements.
 
     Returns:
@@ -197,7 +239,7 @@ def diagnose(model_fn, x=None, y=None, batch_size=None, sample_weight=None, *, l
     from gpupar.commands.diagnose import diagnose as measure
 
     data = dict(x=x, y=y, sample_weight=sample_weight, class_weight=None, validation_split=0.0, validation_data=None)
-    return measure(*_fit_run(model_fn, data, loss, metrics, optimizer, (), config, {"batch_size": batch_size},
+    return measure(*_fit_run(model, data, loss, metrics, optimizer, (), config, {"batch_size": batch_size},
                              options), steps)
 
 

@@ -228,7 +228,11 @@ def _train(config, preset):
     from gpupar.training.run import train_and_evaluate
 
     try:
-        train_and_evaluate(*mnist_run(config, preset))
+        run = mnist_run(config, preset)  # the options the run's mode cannot run: bad flag values
+    except GpuparError as e:
+        return _error(e, 2)
+    try:
+        train_and_evaluate(*run)
     except TrainingInterrupted as e:
         print(f"gpupar: {e}", file=sys.stderr)
         return e.exit_status
@@ -262,20 +266,7 @@ def main(argv, show_start_up_lines=False):
     except GpuparError as e:
         return _error(e, 2)
     start_tensorflow(show_start_up_lines)
-    if command is None:
-        try:
-            _checked_mode(config)
-        except GpuparError as e:
-            return _error(e, 2)
     return _RUNS[command](config, preset)
-
-
-def _checked_mode(config):
-    """Refuses the options the run's mode cannot run (a bad flag value, exit status 2), before training starts."""
-    from gpupar.runtime.cluster import detect_cluster
-    from gpupar.training import modes
-
-    modes.checked(config, detect_cluster(slurm_ps=config.distribution.slurm_ps))
 
 
 def run():

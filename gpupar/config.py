@@ -21,9 +21,9 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 from gpupar.errors import GpuparError
 
 STRATEGIES = ("auto", "one_device", "mirrored", "central_storage", "multi_worker_mirrored", "parameter_server")
-# gpupar's own pipelined stages (gpupar.training.modes.model_parallel), not a tf.distribute strategy.
-MODEL_PARALLEL = "model_parallel"
-STRATEGY_CHOICES = (*STRATEGIES, MODEL_PARALLEL)
+# The strategy option's values: tf.distribute's, and the names of gpupar's own modes that are none of them
+# (gpupar.training.modes, where each mode declares the names it takes; a test keeps the two agreeing).
+STRATEGY_CHOICES = (*STRATEGIES, "model_parallel")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
 NAN_POLICIES = ("stop", "skip")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")

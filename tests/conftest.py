@@ -2,6 +2,7 @@
 
 import gzip
 import os
+import sys
 import time
 
 import numpy as np
@@ -60,6 +61,15 @@ def make_idx_dir(folder, num_train=256, num_test=100, gz=True):
 def _runs_in_tmp_path(tmp_path, monkeypatch):
     """Every test runs in its own folder, so the runs/ folders that runs create by default land there."""
     monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_strategy_defaults():
+    """A test's gpupar.strategy(...) call sets the defaults of later fits in its process: none outlive the test."""
+    yield
+    process = sys.modules.get("gpupar.training.process")
+    if process is not None:
+        process._DEFAULTS.clear()
 
 
 @pytest.fixture

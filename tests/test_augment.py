@@ -37,7 +37,7 @@ def test_host_pipeline_and_device_step_give_the_same_distribution():
     digit = synthetic_digits(1, 5)[0][0]
     count = 1024
     images, labels = np.repeat(digit[np.newaxis], count, axis=0), np.zeros(count, np.uint8)
-    host_batch, _ = next(iter(pipeline.train_dataset((images, labels), count, seed=0, host_transform=mnist.host_augmentation(0))))
+    host_batch, _ = next(iter(pipeline.train_dataset((images, labels), count, seed=0, example_map=mnist.host_augmentation(0))))
     plain = tf.cast(images, tf.float32)[..., tf.newaxis] / 255.0
     device_batch = augment.random_affine(plain, augment.device_seed(0, tf.constant(5)))
     host, device, original = _features(host_batch.numpy()), _features(device_batch.numpy()), _features(plain.numpy())
@@ -50,9 +50,9 @@ def test_host_pipeline_and_device_step_give_the_same_distribution():
 
 def test_host_warps_differ_per_example_and_repeat_for_the_same_seed():
     images, labels = synthetic_digits(64, 1)
-    first = next(iter(pipeline.train_dataset((images, labels), 64, seed=0, host_transform=mnist.host_augmentation(0))))[0].numpy()
-    again = next(iter(pipeline.train_dataset((images, labels), 64, seed=0, host_transform=mnist.host_augmentation(0))))[0].numpy()
-    plain = next(iter(pipeline.train_dataset((images, labels), 64, seed=0, transform=mnist.normalise)))[0].numpy()
+    first = next(iter(pipeline.train_dataset((images, labels), 64, seed=0, example_map=mnist.host_augmentation(0))))[0].numpy()
+    again = next(iter(pipeline.train_dataset((images, labels), 64, seed=0, example_map=mnist.host_augmentation(0))))[0].numpy()
+    plain = next(iter(pipeline.train_dataset((images, labels), 64, seed=0).map(mnist.normalise)))[0].numpy()
     np.testing.assert_array_equal(first, again)
     assert not np.allclose(first, plain)
 

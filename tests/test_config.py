@@ -63,7 +63,8 @@ def test_config_and_its_parts_are_frozen():
         (dict(profile_steps="20,40", save=False), "profile_steps needs log_dir"),
         (dict(strategy="model_parallel", augment=True), "augment is not available with strategy=model_parallel"),
         (dict(strategy="parameter_server", augment=True), "augment is not available with strategy=parameter_server"),
-        (dict(strategy="parameter_server", model="lstm"), "model=lstm is not available with strategy=parameter_server"),
+        (dict(strategy="parameter_server", sync_batch_norm=True),
+         "sync_batch_norm synchronises replicas that step together; strategy=parameter_server updates asynchronously"),
         (dict(memory_fraction=0.5, memory_limit_mb=1000), "give only one of them"),
         (dict(gpus="0,x"), "'x' is not a GPU index"),
         (dict(gpus="1,1"), "names a GPU twice"),
@@ -115,7 +116,7 @@ def test_steps_per_call_defaults_to_display_step_capped_at_the_epoch():
 def test_stop_targets_are_reached_at_or_above_a_metric_and_at_or_below_a_loss():
     from gpupar.presets.mnist import mnist_run
 
-    config, _ = mnist_run(Config(), MnistOptions(stop_at_accuracy=0.89))
+    config, _, _ = mnist_run(Config(), MnistOptions(stop_at_accuracy=0.89))
     assert config.loop.reached({"val_accuracy": 0.89}) == "val_accuracy 0.8900 reached 0.89"
     assert not config.loop.reached({"val_accuracy": 0.8899})
     assert Config(stop_at="val_loss=0.5,accuracy=0.99").loop.reached({"val_loss": 0.5, "accuracy": 0.5})

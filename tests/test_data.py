@@ -16,27 +16,35 @@ def _labels_of(ds, n):
     return [b[1].numpy().tolist() for b in ds.take(n)]
 
 
-def test_batches_are_normalised_and_full():
-    images, labels = next(iter(pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 8, seed=0, transform=mnist.normalise)))
+def test_the_presets_batches_are_normalised_and_full():
+    from gpupar.config import Config
+    from gpupar.data.idx import Splits
+    from gpupar.presets.mnist import MnistArrays
+    from gpupar.presets.mnist_options import MnistOptions
+
+    splits = Splits(IMAGES.astype(np.uint8), LABELS, IMAGES.astype(np.uint8), LABELS)
+    adapter = MnistArrays(lambda: splits, "train", "memory", MnistOptions())
+    adapter.prepare(Config().input, 0)
+    images, labels = next(iter(adapter.batches(8)))
     assert images.shape == (8, 28, 28, 1) and images.dtype == tf.float32
     assert 0.0 <= float(tf.reduce_min(images)) and float(tf.reduce_max(images)) <= 1.0
 
 
 def test_each_pass_is_a_new_permutation_of_every_example():
-    batches = _labels_of(pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 8, seed=0, transform=mnist.normalise), 10)
+    batches = _labels_of(pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 8, seed=0), 10)
     first, second = sum(batches[:5], []), sum(batches[5:], [])
     assert sorted(first) == sorted(second) == list(range(40))
     assert first != second
 
 
 def test_order_depends_on_the_seed():
-    ds = lambda seed: pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 8, seed=seed, transform=mnist.normalise)  # noqa: E731
+    ds = lambda seed: pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 8, seed=seed)  # noqa: E731
     assert _labels_of(ds(0), 3) == _labels_of(ds(0), 3) != _labels_of(ds(1), 3)
 
 
 def test_resumed_stream_continues_where_the_run_stopped():
-    full = _labels_of(pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 8, seed=3, transform=mnist.normalise), 17)
-    resumed = _labels_of(pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 8, seed=3, start_step=7, transform=mnist.normalise), 10)
+    full = _labels_of(pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 8, seed=3), 17)
+    resumed = _labels_of(pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 8, seed=3, start_step=7), 10)
     assert resumed == full[7:]
 
 
@@ -57,7 +65,7 @@ def test_without_shuffle_the_batches_keep_the_arrays_order():
 def test_test_pass_covers_every_example_once_partial_batch_included(devices):
     strategy = tf.distribute.MirroredStrategy(devices)
     global_batch = 6 * len(devices)
-    ds = pipeline.eval_dataset((IMAGES.astype(np.uint8), LABELS), global_batch, mnist.normalise).repeat()
+    ds = pipeline.eval_dataset((IMAGES.astype(np.uint8), LABELS), global_batch).repeat()
     it = iter(strategy.experimental_distribute_dataset(ds))
     steps = pipeline.test_steps(len(LABELS), global_batch)
     for _ in range(2):  # the same persistent iterator serves every evaluation

@@ -392,7 +392,7 @@ def _refused(message, *args, **options):
 def test_bad_input_is_one_line_before_any_step():
     x, y = _data()
     good = _dense()
-    _refused("model_fn is a built keras.Model; pass a function that builds", good(), x, y)
+    _refused("model is a int; pass a keras.Model (built, as for model.fit) or a function", 3, x, y)
     _refused("model_fn returned a int, not a keras.Model", lambda: 3, x, y)
 
     class OwnStep(keras.Sequential):

@@ -172,10 +172,12 @@ def test_the_loss_scale_is_checkpointed(tmp_path):
     first = scaled()
     first.dynamic_scale.assign(256.0)
     first.step_counter.assign(7)
-    Checkpoints(str(tmp_path), keras.Sequential(), first.inner_optimizer, loss_scale_optimizer=first).save_epoch(1)
+    Checkpoints(str(tmp_path), {"model": keras.Sequential(), "optimizer": first.inner_optimizer},
+                loss_scale_optimizer=first).save_epoch(1)
     again = scaled()
     assert float(again.dynamic_scale) == 32768.0
-    Checkpoints(str(tmp_path), keras.Sequential(), again.inner_optimizer, loss_scale_optimizer=again).restore(True)
+    Checkpoints(str(tmp_path), {"model": keras.Sequential(), "optimizer": again.inner_optimizer},
+                loss_scale_optimizer=again).restore(True)
     assert (float(again.dynamic_scale), int(again.step_counter)) == (256.0, 7)
 
 
@@ -198,9 +200,10 @@ def test_on_gpus_the_timed_steps_of_a_call_may_overlap_and_train_the_same():
     """The timed loop runs one step at a time only on CPUs; overlapping steps give the same update."""
     import keras
 
-    from gpupar.training.objective import Objective
-    from gpupar.training.step import make_train_function
     from gpupar.training.inner_loop import timed_loop_iterations
+    from gpupar.training.objective import Objective
+    from gpupar.training.steps.compiled import CompiledStep
+    from gpupar.training.steps.step import train_function
 
     assert timed_loop_iterations(on_gpus=False) == 1 and timed_loop_iterations(on_gpus=True) == 10
     rng = np.random.default_rng(0)
@@ -214,7 +217,7 @@ def test_on_gpus_the_timed_steps_of_a_call_may_overlap_and_train_the_same():
             optimizer = keras.optimizers.SGD(0.1)
             optimizer.build(model.trainable_variables)
         objective = Objective("sparse_categorical_crossentropy", ["accuracy"], y[:2], model(x[:2]).numpy())
-        train = make_train_function(strategy, model, optimizer, objective, parallel_iterations=iterations)
+        train = train_function(CompiledStep(model, objective, optimizer), strategy, parallel_iterations=iterations)
         loop = train.get_concrete_function(iter(strategy.experimental_distribute_dataset(
             tf.data.Dataset.from_tensor_slices((x, y)).batch(16))), tf.constant(1), tf.constant(False)).graph
         assert [op.get_attr("parallel_iterations") for op in loop.get_operations()

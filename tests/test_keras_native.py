@@ -358,7 +358,6 @@ def test_bad_new_arguments_are_one_line_before_any_step():
          dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(32), validation_split=0.2)),
         ("class_weight is only supported for models with a single output (as in Keras)",
          dict(x=x, y={"a": y, "b": y}, class_weight={0: 1.0, 1: 2.0})),
-        ("class_weight has no weight for class 1, which the labels hold", dict(x=x, y=y, class_weight={0: 1.0})),
         ("y is given, but x is a tf.data.Dataset", dict(x=tf.data.Dataset.from_tensor_slices(x), y=y)),
         ("batch_size=32 and per_replica_batch_size=8 both set the batch", dict(x=x, y=y, per_replica_batch_size=8)),
         ("train_data is now x (and y), as in model.fit", dict(train_data=(x, y))),

@@ -223,8 +223,8 @@ def test_without_its_metrics_in_the_checkpoint_a_resumed_epoch_reports_only_its_
 
     straight = _fit(gan_fn, _images())
     original = checkpoint.Checkpoints.__init__
-    monkeypatch.setattr(checkpoint.Checkpoints, "__init__",
-                        lambda self, *args: original(self, *args[:-1], ()))  # step_state left out
+    monkeypatch.setattr(checkpoint.Checkpoints, "__init__", lambda self, model_dir, state, *args: original(
+        self, model_dir, {name: value for name, value in state.items() if name != "step_state"}, *args))
     model_dir = str(tmp_path / "run")
     _fit(gan_fn, _images(), save=True, model_dir=model_dir, checkpoint_every_steps=3, epochs=1)
     resumed = _fit(gan_fn, _images(), save=True, model_dir=model_dir,

@@ -37,7 +37,8 @@ def test_two_workers_and_a_ps_train_the_convnet_well_above_chance(ps_data, tmp_p
     assert status == 0, launch.output[-3000:]
     launch.assert_no_strays()
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert [r["epoch"] for r in metrics["history"]] == [0, 1, 2] and metrics["replicas"] == 2
+    assert [r["epoch"] for r in metrics["history"]] == [0, 1, 2]
+    assert (metrics["replicas"], metrics["workers"]) == (1, 2)  # each update is one worker's batch
     assert metrics["logs"]["val_accuracy"] > 0.5  # chance is 0.1
     assert "ParameterServerStrategy with 2 worker(s) and 1 parameter server(s)" in metrics["strategy"]
     # Every step was applied by one worker or the other, and both took part.
@@ -47,6 +48,18 @@ def test_two_workers_and_a_ps_train_the_convnet_well_above_chance(ps_data, tmp_p
     # The variables lived on the ps task: the chief's checkpoint holds them, one series.
     files = sorted(f for f in os.listdir(tmp_path / "model") if f.endswith(".index"))
     assert files == ["ckpt-1.index", "ckpt-2.index", "ckpt-3.index"]
+
+
+@pytest.mark.slow
+def test_the_stacked_lstm_trains_on_parameter_servers_through_the_shared_step(ps_data, tmp_path):
+    """Refused before the worker's step became gpupar's compiled step; now the preset's LSTM trains there too."""
+    launch = Launch(["--workers=2", "--ps=1"], _flags(ps_data, tmp_path, model="lstm", lstm_units=16, lstm_layers=2,
+                                                      epochs=2))
+    status = launch.finish(timeout=240)
+    assert status == 0, launch.output[-3000:]
+    launch.assert_no_strays()
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["logs"]["val_accuracy"] > 0.2  # chance is 0.1
 
 
 def _chief_lines(output):

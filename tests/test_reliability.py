@@ -185,7 +185,7 @@ def _poisoned_per_epoch(idx_dir, epochs, global_batch):
 
     splits = idx.load_idx_dir(idx_dir)
     per_epoch = len(splits.train_labels) // global_batch
-    ds = pipeline.train_dataset((splits.train_images, splits.train_labels), global_batch, seed=0, transform=mnist.normalise)
+    ds = pipeline.train_dataset((splits.train_images, splits.train_labels), global_batch, seed=0).map(mnist.normalise)
     hits = [int(np.isnan(x.numpy()).any()) for x, _ in ds.take(epochs * per_epoch)]
     return [sum(hits[e * per_epoch:(e + 1) * per_epoch]) for e in range(epochs)]
 
@@ -209,7 +209,7 @@ def test_nan_policy_stop_names_epoch_and_step(shared_idx_dir, monkeypatch, tmp_p
     from gpupar.data import idx
 
     splits = idx.load_idx_dir(shared_idx_dir)
-    batches = pipeline.train_dataset((splits.train_images, splits.train_labels), 32, seed=0, transform=mnist.normalise).take(8)
+    batches = pipeline.train_dataset((splits.train_images, splits.train_labels), 32, seed=0).map(mnist.normalise).take(8)
     first_bad = 1 + [bool(np.isnan(x.numpy()).any()) for x, _ in batches].index(True)
     # One step per call names the step; by default a call is the whole 8-step epoch here (display_step
     # capped at the epoch), and the host only sees its sum.

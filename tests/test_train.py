@@ -192,7 +192,8 @@ def test_jit_compile_puts_each_replica_step_in_one_xla_computation():
 
     from gpupar.models.convnet import build_convnet
     from gpupar.training.objective import Objective
-    from gpupar.training.step import make_train_function
+    from gpupar.training.steps.compiled import CompiledStep
+    from gpupar.training.steps.step import train_function
 
     strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
     with strategy.scope():
@@ -205,10 +206,10 @@ def test_jit_compile_puts_each_replica_step_in_one_xla_computation():
                           np.zeros([4, 10], np.float32))
 
     def compiled_calls(jit):
-        train = make_train_function(strategy, model, adam, objective, jit_compile=jit)
+        train = train_function(CompiledStep(model, objective, adam, jit_compile=jit), strategy)
         library = train.get_concrete_function(iterator, tf.constant(1), tf.constant(False)).graph.as_graph_def().library
         return [node.attr["f"].func.name for f in library.function for node in f.node_def
-                if node.attr["_XlaMustCompile"].b and "update" in node.attr["f"].func.name]
+                if node.attr["_XlaMustCompile"].b and "train" in node.attr["f"].func.name]
 
     assert compiled_calls(True) and not compiled_calls(False)
 
@@ -239,14 +240,14 @@ def test_mixed_float16_scales_the_loss(shared_idx_dir):
 
     from gpupar.presets.mnist import mnist_run
     from gpupar.presets.mnist_options import MnistOptions
-    from gpupar.training import modes
-    from gpupar.training.setup import build_engine
+    from gpupar.training.setup import build_trainer
 
-    config, task = mnist_run(gpupar.Config(precision="mixed_float16", per_replica_batch_size=16), MnistOptions(data_dir=shared_idx_dir))
-    engine = build_engine(config, task, modes.checked(config))
-    scaled = engine.update_optimizer
+    config, task, mode = mnist_run(gpupar.Config(precision="mixed_float16", per_replica_batch_size=16),
+                                   MnistOptions(data_dir=shared_idx_dir))
+    trainer = build_trainer(config, task, mode)
+    scaled = trainer.loss_scale
     assert isinstance(scaled, keras.optimizers.LossScaleOptimizer) and scaled.dynamic_scale > 1
-    assert scaled.inner_optimizer is engine.optimizer
+    assert scaled.inner_optimizer is trainer.optimizer
 
 
 def test_stop_at_accuracy_ends_after_the_first_epoch_that_reaches_it(shared_idx_dir, capsys):

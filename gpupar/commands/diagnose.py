@@ -22,7 +22,7 @@ from gpupar.errors import GpuparError
 from gpupar.monitor import bottleneck
 from gpupar.monitor.bottleneck import InputWait
 from gpupar.training import modes
-from gpupar.training.setup import build_engine
+from gpupar.training.setup import build_trainer
 
 log = logging.getLogger("gpupar")
 WARM_UP_STEPS = 3  # traced and discarded before each measurement
@@ -143,12 +143,13 @@ def _best(run, steps, warm_up=True):
     return fastest
 
 
-def diagnose(config: Config, task, steps: int = 30) -> Report:
+def diagnose(config: Config, task, mode, steps: int = 30) -> Report:
     """Measures the step alone, the pipeline alone and both together under `config`.
 
     Args:
       config: The training options to diagnose (a synchronous strategy).
       task: What training would train (gpupar.training.task.Task).
+      mode: The run's mode (gpupar.training.modes.checked).
       steps: Timed steps in each measurement.
 
     Returns:
@@ -160,29 +161,29 @@ def diagnose(config: Config, task, steps: int = 30) -> Report:
     """
     if steps < bottleneck.MIN_STEPS:
         raise GpuparError(f"diagnose_steps={steps}: judging needs at least {bottleneck.MIN_STEPS} timed steps")
-    mode = modes.checked(config)
-    if mode.name != "synchronous":
-        raise GpuparError(f"gpupar diagnose times data-parallel steps; strategy={config.distribution.strategy} has "
-                          "steps of its own (use auto, one_device, mirrored or central_storage)")
-    engine = build_engine(config, task, mode)
+    if not mode.diagnosable:
+        takes = ", ".join(s for m in modes.MODES if m.diagnosable for s in m.strategies)
+        raise GpuparError(f"gpupar diagnose times steps that run here, one call after another; strategy="
+                          f"{config.distribution.strategy} runs them otherwise (use one of: {takes})")
+    trainer = build_trainer(config, task, mode)
 
     # The step alone first, while no pipeline is running; the batch's own pipeline ends after it.
-    one_batch = _OneBatch(next(engine.start(0, limit=1)))
-    step_seconds, _ = _best(lambda n: engine.run_calls(one_batch, n), steps)
+    one_batch = _OneBatch(next(trainer.start(0, limit=1)))
+    step_seconds, _ = _best(lambda n: trainer.run_calls(one_batch, n), steps)
 
-    pipeline = engine.start(0, limit=WARM_UP_STEPS + ROUNDS * steps)  # stops once measured
+    pipeline = trainer.start(0, limit=WARM_UP_STEPS + ROUNDS * steps)  # stops once measured
     input_seconds, _ = _best(lambda n: _pull(pipeline, tf.constant(n)).numpy(), steps)
 
-    together = engine.start(0)
-    engine.run_calls(together, WARM_UP_STEPS, first_call=True)
-    together_seconds, measured = _best(lambda n: engine.run_calls(together, n), steps, warm_up=False)
+    together = trainer.start(0)
+    trainer.run_calls(together, WARM_UP_STEPS, first_call=True)
+    together_seconds, measured = _best(lambda n: trainer.run_calls(together, n), steps, warm_up=False)
     wait = InputWait(measured.waited, measured.busy, measured.steps)
 
-    rates = [steps * engine.global_batch / seconds for seconds in (input_seconds, step_seconds, together_seconds)]
+    rates = [steps * trainer.global_batch / seconds for seconds in (input_seconds, step_seconds, together_seconds)]
     input_bound, bound_by = verdict(*rates)
-    virtual_cpus = not engine.on_gpus and engine.replicas > 1
+    virtual_cpus = not trainer.on_gpus and trainer.replicas > 1
     return Report(
-        strategy=engine.description.split(";")[0], global_batch=engine.global_batch, steps=steps,
+        strategy=trainer.description.split(";")[0], global_batch=trainer.global_batch, steps=steps,
         input_examples_per_second=rates[0], step_examples_per_second=rates[1], together_examples_per_second=rates[2],
         input_wait_fraction=wait.fraction, input_bound=input_bound, bound_by=bound_by,
         recommendations=tuple(bottleneck.likely_causes(config.input, task.train.input_bound_hints(), rates[0], rates[1])

@@ -47,7 +47,7 @@ def rows(array) -> int:
     return int(array.shape[0])
 
 
-def train_dataset(arrays, global_batch: int, seed: int, start_step: int = 0, transform=None, host_transform=None,
+def train_dataset(arrays, global_batch: int, seed: int, start_step: int = 0, example_map=None,
                   num_parallel_calls=None, deterministic: bool = True, threads=None,
                   shuffle: bool = True) -> tf.data.Dataset:
     """Endless training batches of in-memory arrays: each pass over them is a fresh permutation.
@@ -57,10 +57,9 @@ def train_dataset(arrays, global_batch: int, seed: int, start_step: int = 0, tra
     on (seed, p), so a run resumed at `start_step` sees the same batches as one that never
     stopped; shuffle=False keeps the arrays' order. Each pass ends with a partial batch where the
     examples do not fill the last one, as in Keras' fit. The arrays stay in memory as they are (the
-    cache); `transform` maps each batch after it is drawn; `host_transform(example, pass_number,
-    position)` instead maps each example on the host before batching (the classic per-image
-    augmentation). `num_parallel_calls` None lets tf.data tune the parallelism; `deterministic`
-    False lets a ready element overtake a slow one, so the order (and, with a host transform, which
+    cache); `example_map(example, pass_number, position)` maps each example on the host before
+    batching (the classic per-image augmentation), seeded by where the example is. `num_parallel_calls` None lets tf.data tune the parallelism; `deterministic`
+    False lets a ready element overtake a slow one, so the order (and, with an example_map, which
     examples share a batch) may change, and a resumed run may see a batch twice and miss another.
     """
     arrays = as_tensors(arrays)
@@ -79,31 +78,26 @@ def train_dataset(arrays, global_batch: int, seed: int, start_step: int = 0, tra
         return tf.nest.map_structure(lambda array: tf.gather(array, index), arrays)
 
     passes = tf.data.Dataset.range(first_pass, np.iinfo(np.int64).max)
-    if host_transform is not None:
+    if example_map is not None:
         # The classic way: a map over single examples, each transformed on the CPU; a pass's
         # examples are batched within the pass, the examples of skipped batches never drawn.
         def one_pass(number):
             start = tf.where(number == first_pass, tf.cast(skip * global_batch, tf.int64), tf.constant(0, tf.int64))
             positions = tf.range(num_examples, dtype=tf.int64)
             examples = tf.data.Dataset.from_tensor_slices((order(number), positions)).skip(start)
-            return examples.map(lambda index, position: host_transform(gather(index), number, position),
+            return examples.map(lambda index, position: example_map(gather(index), number, position),
                                 num_parallel_calls=parallel).batch(global_batch)
 
         ds = passes.flat_map(one_pass)
     else:
         ds = passes.flat_map(lambda number: tf.data.Dataset.from_tensor_slices(order(number)).batch(global_batch))
-        ds = ds.skip(skip).map(lambda index: _applied(transform, gather(index)), num_parallel_calls=parallel)
+        ds = ds.skip(skip).map(gather, num_parallel_calls=parallel)
     return ds.prefetch(tf.data.AUTOTUNE).with_options(options(deterministic, threads))
 
 
-def _applied(transform, batch):
-    return batch if transform is None else transform(*batch)
-
-
-def eval_dataset(arrays, global_batch: int, transform=None) -> tf.data.Dataset:
+def eval_dataset(arrays, global_batch: int) -> tf.data.Dataset:
     """The whole of the arrays once, in order, last partial batch included, cached: repeat it for one iterator per run."""
-    ds = tf.data.Dataset.from_tensor_slices(as_tensors(arrays)).batch(global_batch)
-    ds = ds.map(lambda *batch: _applied(transform, batch), num_parallel_calls=tf.data.AUTOTUNE).cache()
+    ds = tf.data.Dataset.from_tensor_slices(as_tensors(arrays)).batch(global_batch).cache()
     return ds.with_options(options())
 
 

@@ -1,7 +1,8 @@
-"""Saving a trained model as a .keras file that Keras alone loads: gpupar's layer becomes Keras' own.
+"""Saving a trained model as a .keras file that Keras alone loads: gpupar's layers become Keras' own.
 
 XlaBatchNormalization is keras.layers.BatchNormalization with a faster training step: at
-inference it is the Keras layer. A Sequential or functional model is cloned with them swapped (the same weights, the same
+inference it is the Keras layer; RandomAffine only augments in training: at inference it is
+keras.layers.Identity. A Sequential or functional model is cloned with them swapped (the same weights, the same
 predictions), so `keras.models.load_model` reads the file in a process that never imports gpupar.
 A subclassed model is saved as it is; if it holds gpupar's layer, `import gpupar.models.layers`
 before loading it (it is registered under the package name "gpupar").
@@ -12,24 +13,28 @@ import os
 import keras
 
 from gpupar.errors import GpuparError
-from gpupar.models.layers import XlaBatchNormalization
+from gpupar.models.layers import RandomAffine, XlaBatchNormalization
 
 
 def _keras_layer(layer):
     """The Keras layer a gpupar layer stands for at inference, or a plain clone of any other layer."""
     if isinstance(layer, XlaBatchNormalization):
         return keras.layers.BatchNormalization.from_config(layer.get_config())
+    if isinstance(layer, RandomAffine):
+        return keras.layers.Identity(name=layer.name)
     return layer.__class__.from_config(layer.get_config())
 
 
 def keras_only(model):
     """The model with gpupar's layers swapped for Keras' (the model itself where it cannot be cloned)."""
-    gpupar_layers = [layer for layer in model._flatten_layers() if isinstance(layer, XlaBatchNormalization)]
+    gpupar_layers = [layer for layer in model._flatten_layers() if isinstance(layer, (XlaBatchNormalization,
+                                                                                      RandomAffine))]
     if not gpupar_layers or not (isinstance(model, keras.Sequential) or getattr(model, "_is_graph_network", False)):
         return model
     clone = keras.models.clone_model(model, clone_function=_keras_layer)
     for old, new in zip(model.layers, clone.layers):
-        new.set_weights(old.get_weights())
+        if not isinstance(old, RandomAffine):  # its seed state has no place at inference
+            new.set_weights(old.get_weights())
     return clone
 
 

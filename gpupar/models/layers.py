@@ -1,10 +1,12 @@
-"""Layers that gpupar uses in place of Keras' own, and the variable scope that keeps replicas consistent."""
+"""Layers that gpupar uses in place of Keras' own, its augmentation layer, and the scope that keeps replicas consistent."""
 
 import contextlib
 import threading
 
 import keras
 import tensorflow as tf
+
+from gpupar.data.augment import random_affine
 
 
 @contextlib.contextmanager
@@ -143,3 +145,32 @@ def fall_back_from_xla(model, error) -> bool:
         layer.use_xla = False
     return True
 
+
+
+@keras.saving.register_keras_serializable(package="gpupar")
+class RandomAffine(keras.layers.Layer):
+    """Randomly shifts, rotates and zooms each image of a batch in training; passes it through otherwise.
+
+    The warp is gpupar.data.augment.random_affine, one batched op on the device. Its seeds come
+    from a Keras SeedGenerator, which draws apart on each replica inside gpupar's step
+    (replica_seeds) and is checkpointed with the model's random state, so a resumed run warps
+    its batches as an uninterrupted run would. XLA has no CPU kernel for the warp, so the layer
+    says supports_jit=False, as Keras' own preprocessing layers do.
+    """
+
+    def __init__(self, seed=None, **kwargs):
+        super().__init__(**kwargs)
+        self.seed = seed
+        self.seed_generator = keras.random.SeedGenerator(seed)
+        self.supports_jit = False
+
+    def call(self, images, training=None):
+        if not training:
+            return images
+        return random_affine(images, tf.cast(self.seed_generator.next(), tf.int64))
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        return {**super().get_config(), "seed": self.seed}

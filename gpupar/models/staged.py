@@ -1,12 +1,8 @@
-"""A chain model's layers split into pipeline stages, each stage's variables made on its own device.
+"""A chain model's layers split into pipeline stages, each stage's variables on its own device.
 
-    model, stage_of = build_on_stages(model_fn, ends=("conv_out",), devices=("/gpu:0", "/gpu:1"))
-
-Keras makes a layer's variables when the layer is built, inside model_fn, before anyone can say
-where they go. So model_fn runs twice: once to learn which layer makes which variable, in which
-order (a probe, on the default device), and once more with each variable made under its
-stage's device. The model's object structure, and so its checkpoint, is the same whatever the
-split: a split model's checkpoint restores into an unsplit one and back.
+model_fn runs once, as for every other mode (the same seed gives the same initial weights); each
+variable then moves to its stage's device. The model's object structure, and so its checkpoint,
+is the same whatever the split: a split model's checkpoint restores into an unsplit one and back.
 """
 
 import tensorflow as tf
@@ -46,46 +42,38 @@ def chain_layers(model) -> list:
 
 
 def build_on_stages(build, ends, devices):
-    """Builds the model with each stage's variables on its device; returns (model, the stage of each chain layer).
+    """Builds the model once, then moves each stage's variables onto its device; returns the model.
 
     Args:
-      build: A function of no arguments that returns the (built) chain model, the same each time.
+      build: A function of no arguments that returns the (built) chain model.
       ends: The last layer of every stage but the last, by name or index (runtime.stages.stage_of_layers).
       devices: One device per stage.
 
     Raises:
-      GpuparError: not a chain, stages that do not fit it, an unbuilt model, or a build that made
-        other variables the second time.
+      GpuparError: not a chain, stages that do not fit it, or an unbuilt model.
     """
-    created = []
-
-    def record(next_creator, **kwargs):
-        variable = next_creator(**kwargs)
-        created.append(variable)
-        return variable
-
-    with tf.variable_creator_scope(record):
-        probe = build()
-    if not probe.built:
-        raise GpuparError(f"{probe.name} is not built, so its layers have no variables to place yet; give it its "
+    model = build()
+    if not model.built:
+        raise GpuparError(f"{model.name} is not built, so its layers have no variables to place yet; give it its "
                           "input shape (keras.Input) so that model_fn returns it built")
-    layers = chain_layers(probe)
+    layers = chain_layers(model)
     stage_of = stage_of_layers([layer.name for layer in layers], ends)
     if len(devices) != max(stage_of) + 1:
         raise GpuparError(f"{len(devices)} devices for {max(stage_of) + 1} stages")
-    owner = {id(variable.value): stage for layer, stage in zip(layers, stage_of) for variable in layer.variables}
-    placed = [devices[owner.get(id(variable), 0)] for variable in created]  # the rest (none in a chain) on stage 0
-    made = []
+    for layer, stage in zip(layers, stage_of):
+        for variable in layer.variables:
+            _move(variable, devices[stage])
+    return model
 
-    def place(next_creator, **kwargs):
-        with tf.device(placed[len(made)] if len(made) < len(placed) else devices[0]):
-            made.append(next_creator(**kwargs))
-        return made[-1]
 
-    del probe, created
-    with tf.variable_creator_scope(place):
-        model = build()
-    if len(made) != len(placed):
-        raise GpuparError(f"model_fn made {len(made)} variables the second time it was called, {len(placed)} the "
-                          "first; it must build the same model each time")
-    return model, stage_of
+def _move(variable, device: str):
+    """Puts a Keras variable's value in a new tf.Variable on `device`, with its name, value and aggregation.
+
+    Keras makes a layer's variables when model_fn builds it, before anyone can say where they
+    go; Keras' TensorFlow variable keeps its tf.Variable in `_value`, which its own
+    `_initialize` replaces (keras/src/backend/tensorflow/core.py; tests/test_model_parallel.py
+    checks that the variables land on their stage's device with this Keras).
+    """
+    value = tf.identity(variable.value)
+    with tf.device(device):
+        variable._initialize(value)

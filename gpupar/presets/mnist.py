@@ -3,19 +3,24 @@
 The preset's own options (gpupar.presets.mnist_options.MnistOptions) sit beside the Config: the
 data set and its folder, the model and its sizes, augmentation, and a stop at a test accuracy.
 `mnist_run` turns them into the Config and the Task of a run; everything after that is
-gpupar.fit's path.
+gpupar.fit's path. The preset's preprocessing is its own, where Keras puts it: the images are
+normalised in its dataset, augmented in its dataset (on the host) or by the model's first layer
+(on the device).
 """
 
 import functools
 
 import keras
+import numpy as np
+import tensorflow as tf
 
 from gpupar.config import Config
-from gpupar.data import augment, mnist_images
+from gpupar.data import array_pipeline, mnist_images
 from gpupar.data.adapters.arrays import ArrayAdapter
 from gpupar.data.adapters.adapter import DataAdapter
 from gpupar.errors import GpuparError
 from gpupar.models import convnet, lstm
+from gpupar.models.layers import RandomAffine
 from gpupar.presets.mnist_options import MnistOptions
 from gpupar.runtime.cluster import detect_cluster
 from gpupar.training import modes
@@ -27,20 +32,26 @@ METRICS = ("accuracy",)
 
 
 def stage_ends(options: MnistOptions) -> tuple:
-    """Where the model's pipeline stages end (runtime.stages.stage_of_layers), for strategy=model_parallel."""
+    """Where the model's pipeline stages end (runtime.stages.stage_of_layers), for a mode that takes stages."""
     return lstm.stage_ends(options.lstm_layers) if options.model == "lstm" else convnet.STAGE_ENDS
 
 
 def build_model(options: MnistOptions, precision: str, seed: int):
-    """The model `options.model` names, in the run's precision."""
+    """The model `options.model` names, in the run's precision, led by the augmentation layer where it augments on the device."""
     dtype = None if precision == "float32" else precision
     if options.model == "lstm":
-        return lstm.build_lstm(options.lstm_layers, options.lstm_units, seed=seed, dtype=dtype)
-    return convnet.build_convnet(options.dropout, options.sync_batch_norm, seed=seed, dtype=dtype)
+        model = lstm.build_lstm(options.lstm_layers, options.lstm_units, seed=seed, dtype=dtype)
+    else:
+        model = convnet.build_convnet(options.dropout, options.sync_batch_norm, seed=seed, dtype=dtype)
+    if options.augment and options.augment_on == "device":
+        return keras.Sequential([keras.Input((28, 28, 1)), RandomAffine(seed, dtype="float32"), *model.layers],
+                                name=model.name)
+    return model
 
 
 class MnistArrays(ArrayAdapter):
-    """A split of the MNIST-format data in memory, normalised, and for training augmented as the options say.
+    """A split of the MNIST-format data in memory, normalised in its pipeline, and for training augmented on the host
+    when the options say so.
 
     Loaded once the strategy exists (TFDS runs TensorFlow); both splits share one load.
     """
@@ -52,8 +63,6 @@ class MnistArrays(ArrayAdapter):
         self.load, self.split, self.where = load, split, where
         self.form = "the MNIST preset's arrays"
         self.augmented_on = options.augment_on if split == "train" and options.augment else None
-        self.host = self.augmented_on == "host"
-        self.transform = None if self.host else mnist_images.normalise
 
     def prepare(self, input_options, seed: int):
         DataAdapter.prepare(self, input_options, seed)
@@ -63,58 +72,61 @@ class MnistArrays(ArrayAdapter):
         self.arrays, self.num_examples = (images, labels), len(labels)
         self.description = (f"{self.num_examples} training images from {self.where}" if self.split == "train"
                             else f"{self.num_examples} test images")
-        if self.host:
-            self.host_transform = mnist_images.host_augmentation(seed)
         if self.augmented_on:
             self.description += f", randomly shifted, rotated and zoomed on the {self.augmented_on}"
 
-    @property
-    def device_transform(self):
-        if self.augmented_on != "device":
-            return None
-        seed = self.seed
-        return lambda images, step: augment.random_affine(images, augment.device_seed(seed, step))
+    def sample(self, count: int = 4):
+        return tuple(np.asarray(t) for t in mnist_images.normalise(*(a[:count] for a in self.arrays)))
+
+    def batches(self, global_batch: int, first_step: int = 0, limit=None):
+        if self.augmented_on != "host":
+            return super().batches(global_batch, first_step, limit).map(mnist_images.normalise)
+        options = self.options
+        dataset = array_pipeline.train_dataset(
+            self.arrays, global_batch, self.seed, start_step=first_step,
+            example_map=mnist_images.host_augmentation(self.seed), num_parallel_calls=options.num_parallel_calls,
+            deterministic=options.deterministic, threads=options.data_threads, shuffle=options.shuffle)
+        return dataset if limit is None else dataset.take(limit)
+
+    def one_pass(self, global_batch: int):
+        dataset, steps = super().one_pass(global_batch)
+        return dataset.map(mnist_images.normalise), steps
 
     def worker_batches(self, context, global_batch: int, first_step: int, limit, num_workers: int):
-        import tensorflow as tf
-
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
         return self.batches(global_batch, first_step, limit).shard(num_workers, worker)
 
     def input_bound_hints(self):
-        return ["augmentation runs on the host, one image at a time: use --augment_on=device"] if self.host else []
+        return ["augmentation runs on the host, one image at a time: use --augment_on=device"] if (
+            self.augmented_on == "host") else []
 
 
 def refuse_for_mode(options: MnistOptions, mode) -> None:
-    """The preset's options that `mode` cannot run, refused before TensorFlow starts."""
-    if mode.name == "synchronous":
+    """The preset's options that `mode` cannot run, refused before TensorFlow starts (from its declared capabilities)."""
+    if mode.replicas_step_together:
         return
-    name = mode.name
     if options.augment:
-        raise GpuparError(f"augment is not available with strategy={name} (its input pipeline has no augmentation); "
+        raise GpuparError(f"augment is not available with strategy={mode.name} (its replicas do not step together); "
                           "drop --augment, or use a data-parallel strategy")
     if options.sync_batch_norm:
-        raise GpuparError("sync_batch_norm synchronises tf.distribute replicas; strategy=model_parallel normalises each "
-                          "micro-batch on its own (as GPipe does); drop sync_batch_norm" if mode.name == "model_parallel"
-                          else "sync_batch_norm needs replicas that step together; parameter_server updates "
-                          "asynchronously")
-    if mode.name == "parameter_server" and options.model != "convnet":
-        raise GpuparError(f"model={options.model} is not available with strategy=parameter_server, which trains the "
-                          "ConvNet; use model=convnet")
+        raise GpuparError(f"sync_batch_norm synchronises replicas that step together; strategy={mode.name} "
+                          f"{mode.batch_norm}: drop sync_batch_norm")
 
 
 def mnist_run(config: Config, options: MnistOptions, optimizer=None, callbacks=()):
-    """(the Config, the Task) of the preset: options.model on options.dataset, as `config` says.
+    """(the Config, the Task, the checked mode) of the preset: options.model on options.dataset, as `config` says.
 
-    The preset's own split of the model (stage_ends) is the Config's stages where it gives none
-    for strategy=model_parallel; stop_at_accuracy is a stop at val_accuracy.
+    The preset's own split of the model (stage_ends) is the Config's stages where the mode takes
+    stages and the Config gives none; stop_at_accuracy is a stop at val_accuracy.
 
     Raises:
       GpuparError: an option the run's mode cannot run, before TensorFlow starts.
     """
-    refuse_for_mode(options, modes.select(config.distribution, detect_cluster(slurm_ps=config.distribution.slurm_ps)))
+    cluster = detect_cluster(slurm_ps=config.distribution.slurm_ps)
+    mode = modes.select(config.distribution, cluster)  # its declared capabilities, before the Config is final
+    refuse_for_mode(options, mode)
     changes = {}
-    if config.distribution.strategy == modes.MODEL_PARALLEL and config.distribution.stages is None:
+    if "stages" in mode.options and config.distribution.stages is None:
         changes["stages"] = stage_ends(options)
     if options.stop_at_accuracy is not None:
         changes["stop_at"] = {**(config.loop.stop_at or {}), "val_accuracy": options.stop_at_accuracy}
@@ -126,4 +138,4 @@ def mnist_run(config: Config, options: MnistOptions, optimizer=None, callbacks=(
                 train=MnistArrays(load, "train", where, options), evaluation=MnistArrays(load, "test", where, options),
                 loss=LOSS, metrics=METRICS, optimizer=optimizer, callbacks=tuple(callbacks),
                 signature=options.signature())
-    return config, task
+    return config, task, modes.checked(config, cluster)

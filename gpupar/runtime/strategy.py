@@ -10,7 +10,7 @@ import sys
 from typing import Optional, Sequence, Tuple
 
 from gpupar.runtime.cluster import Cluster
-from gpupar.config import CROSS_DEVICE_OPS, MODEL_PARALLEL, STRATEGIES
+from gpupar.config import CROSS_DEVICE_OPS, STRATEGIES, STRATEGY_CHOICES
 from gpupar.errors import GpuparError, TensorFlowStarted
 from gpupar.runtime.network import warn_if_reachable
 
@@ -126,10 +126,10 @@ def plan_strategy(
       GpuparError: an unknown kind or all-reduce, devices that are not there, or a kind that does
         not fit the devices or the cluster; the message lists what would.
     """
-    if kind == MODEL_PARALLEL:
+    if kind in STRATEGY_CHOICES and kind not in STRATEGIES:
         raise GpuparError(
-            "strategy=model_parallel is gpupar's own pipeline, not a tf.distribute strategy: train with "
-            "gpupar.fit_mnist(strategy='model_parallel') or the gpupar command; gpupar.plan_stages plans it"
+            f"strategy={kind} is gpupar's own mode, not a tf.distribute strategy: train with gpupar.fit(..., "
+            f"strategy={kind!r}) or the gpupar command"
         )
     if kind not in STRATEGIES:
         raise GpuparError(f"strategy={kind!r} is unknown; choose one of: {', '.join(STRATEGIES)}")
@@ -320,6 +320,32 @@ def build_strategy(plan: Plan, ps_shards: Optional[int] = None):
         "reduction_to_one_device": tf.distribute.ReductionToOneDevice,
     }[plan.cross_device_ops]()
     return tf.distribute.MirroredStrategy(list(plan.devices), cross_device_ops=all_reduce)
+
+
+_SHARED = {}  # the process's strategies, by what made them: (plan's key, ps_shards) -> strategy
+
+
+def shared_strategy(plan: Plan, ps_shards: Optional[int] = None):
+    """The process's tf.distribute.Strategy for a Plan: built the first time, the same object every time after.
+
+    Every gpupar.fit and gpupar.strategy call of a process with the same devices and kind gets
+    this one object, so a model (or a layer, or a trained teacher) made under it in one fit trains
+    in the next: TensorFlow gives optimizer slots only to variables of the strategy they were
+    made under.
+
+    Raises:
+      GpuparError: as build_strategy.
+    """
+    cluster = plan.cluster.describe() if plan.cluster is not None else None
+    key = (plan.kind, plan.devices, plan.cross_device_ops, plan.parameter_device, cluster, ps_shards)
+    if key not in _SHARED:
+        _SHARED[key] = build_strategy(plan, ps_shards)
+    return _SHARED[key]
+
+
+def is_shared(strategy) -> bool:
+    """Whether gpupar made `strategy` (shared_strategy), rather than the script itself."""
+    return any(strategy is made for made in _SHARED.values())
 
 
 def _build_cluster_strategy(tf, plan: Plan, ps_shards: Optional[int] = None):

@@ -52,13 +52,14 @@ class Checkpoints:
     (`signature`: the model and its shape-defining options), so that restoring into another model
     says which one the checkpoint needs. With save=False it only restores. A loss-scale
     optimizer's scale and its count of good steps (mixed_float16) go in too: a resumed run starts
-    from the scale it had reached, not from 2^15 again with overflowing first steps. `step_state`:
-    the variables of a model's own train_step that are not the model's weights (its metrics).
+    from the scale it had reached, not from 2^15 again with overflowing first steps. `state` names what the run trains ({"model": ..., "optimizer": ..., and the step's own state,
+    such as a model's own train_step's metrics}: gpupar.training.trainer.Trainer.state); the
+    model's random state (Keras' SeedGenerators) goes in beside it.
     """
 
-    def __init__(self, model_dir: Optional[str], model, optimizer, max_to_keep: Optional[int] = None,
+    def __init__(self, model_dir: Optional[str], state: Mapping, max_to_keep: Optional[int] = None,
                  global_batch: int = 0, signature: Optional[Mapping] = None, save: bool = True,
-                 loss_scale_optimizer=None, step_state=()):
+                 loss_scale_optimizer=None):
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step_in_epoch")
         self.global_batch = tf.Variable(global_batch, dtype=tf.int64, trainable=False, name="global_batch")
@@ -67,12 +68,10 @@ class Checkpoints:
         self.scaled = loss_scale_optimizer
         self.loss_scale = tf.Variable([0.0, 0.0], dtype=tf.float32, trainable=False, name="loss_scale")
         self.run_global_batch = global_batch
-        own = {"step_state": list(step_state)} if step_state else {}
         self.checkpoint = tf.train.Checkpoint(
-            model=model, optimizer=optimizer, epoch=self.epoch, step=self.step, global_batch=self.global_batch,
-            epoch_totals=self.totals, loss_scale=self.loss_scale, random_state=random_state(model),
-            model_signature=tf.Variable(json.dumps(self.signature, sort_keys=True), dtype=tf.string, trainable=False),
-            **own)
+            **state, epoch=self.epoch, step=self.step, global_batch=self.global_batch,
+            epoch_totals=self.totals, loss_scale=self.loss_scale, random_state=random_state(state["model"]),
+            model_signature=tf.Variable(json.dumps(self.signature, sort_keys=True), dtype=tf.string, trainable=False))
         self.model_dir, self.saving = model_dir, save
         self.epochs = self.steps = None
         if model_dir is not None:

@@ -1,7 +1,7 @@
-"""The inner loop: the call that runs K steps of any mode's step inside one tf.function, and what it returns.
+"""The inner loop: the call that runs K steps of any kind of step inside one tf.function, and what it returns.
 
-Every mode's step (gpupar.training.step, and the modes' own in gpupar.training.modes) runs
-through `steps_in_one_call`: the host reads results once per call, never once per step.
+Every kind of step (gpupar.training.steps) runs through `steps_in_one_call`: the host reads
+results once per call, never once per step.
 """
 
 import dataclasses

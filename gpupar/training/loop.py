@@ -1,9 +1,9 @@
 """The outer loop, one for every mode: epochs of K-step calls, evaluation, checkpoints, stops; observers watch it.
 
-The loop drives an Engine (gpupar.training.engine) and knows nothing of its mode: it asks for
-calls of steps, adds up the results each call reports (a parameter-server engine reports
+The loop drives a Trainer (gpupar.training.trainer) and knows nothing of its mode: it asks for
+calls of steps, adds up the results each call reports (a parameter-server trainer reports
 steps that finished later than they were asked for), and at an epoch's end, or before it
-saves, lets the engine finish what is still in flight. Everything that watches it (progress
+saves, lets the trainer finish what is still in flight. Everything that watches it (progress
 lines, TensorBoard, the metrics file, the input-wait monitor, the GPU sampler, the profile
 window, the user's Keras callbacks) is an observer in one list (gpupar.training.observers),
 called at the same points; `model.stop_training` stops it after a checkpoint.
@@ -94,14 +94,14 @@ class EpochTotals:
                            self.kept_examples - earlier.kept_examples, self.loss - earlier.loss, states, self.seconds - earlier.seconds,
                            {w: n - earlier.by_worker.get(w, 0) for w, n in self.by_worker.items()}, self.step_logs)
 
-    def logs(self, objective) -> dict:
-        """{"loss": ..., "<metric>": ...} of these steps, Keras' names; a model's own step's last logs as it returned them."""
+    def logs(self, metric_results) -> dict:
+        """{"loss": ..., "<metric>": ...} of these steps, Keras' names; a model's own step's last logs as it returned them.
+
+        metric_results(states) -> {name: value} of the metrics' summed states (Step.metric_results).
+        """
         if self.step_logs is not None:
             return dict(self.step_logs)
-        logs = {"loss": self.loss / max(self.kept_examples, 1)}
-        if self.states:
-            logs.update(objective.results(self.states))
-        return logs
+        return {"loss": self.loss / max(self.kept_examples, 1), **metric_results(self.states)}
 
 
 def _stopped_without_saving(latest_checkpoint) -> str:
@@ -118,8 +118,8 @@ def _crosses(before: int, after: int, every) -> bool:
 class _Epoch:
     """An epoch under way: its sums, the steps asked for and finished, and the totals at the last progress line.
 
-    A parameter-server engine reports steps later than they were asked for, so `finished` may lag
-    `asked` until the engine's finish().
+    A parameter-server trainer reports steps later than they were asked for, so `finished` may lag
+    `asked` until the trainer's finish().
     """
 
     def __init__(self, epoch: int, start: Position):
@@ -139,36 +139,36 @@ class _CallbackStop(Exception):
 
 
 class Loop:
-    """Trains an engine from a checkpoint's position to the last epoch, saving as it goes, watched by observers.
+    """Trains a Trainer from a checkpoint's position to the last epoch, saving as it goes, watched by observers.
 
     Attributes:
-      engine: What runs the steps and the evaluation.
+      trainer: What runs the steps and the evaluation.
       options: The Config's LoopOptions.
       checkpoints: Where the loop saves (gpupar.training.checkpoint.Checkpoints).
       observers: Everything that watches training (gpupar.training.observers.Observers).
       nan_policy: "stop" or "skip" (a skipped step leaves the update counter where it was).
     """
 
-    def __init__(self, engine, options, checkpoints, observers, nan_policy: str = "stop"):
-        self.engine, self.options, self.checkpoints, self.observers = engine, options, checkpoints, observers
+    def __init__(self, trainer, options, checkpoints, observers, nan_policy: str = "stop"):
+        self.trainer, self.options, self.checkpoints, self.observers = trainer, options, checkpoints, observers
         self.skips = nan_policy == "skip"
         self.input = self.stop = None  # set by run()
         self.done = 0  # steps this process asked for
 
     def _call(self, current: _Epoch, num_steps: int):
         """Runs one call of num_steps steps and adds what it reports to the epoch."""
-        engine = self.engine
-        updates_before = int(engine.updates.numpy()) if self.skips else 0
+        trainer = self.trainer
+        updates_before = int(trainer.updates.numpy()) if self.skips else 0
         self.observers.on_call_begin(self.done)
-        results = engine.run_steps(self.input, num_steps, self.done == 0)
+        results = trainer.run_steps(self.input, num_steps, self.done == 0)
         self.done += num_steps
         # The update counter stands still on a skipped step.
-        skipped = results.steps - (int(engine.updates.numpy()) - updates_before) if self.skips else 0
+        skipped = results.steps - (int(trainer.updates.numpy()) - updates_before) if self.skips else 0
         self._add(current, results, skipped)
 
     def _add(self, current: _Epoch, results: Results, skipped: int):
         """Adds the steps a call reports (`skipped` of them non-finite); tells the observers; a progress line when due."""
-        engine = self.engine
+        trainer = self.trainer
         before, current.finished = current.finished, current.finished + results.steps
         current.totals.add(results, skipped)
         name, value = current.totals.non_finite()
@@ -178,39 +178,39 @@ class Loop:
             raise GpuparError(f"training {name} became {value} at epoch {current.epoch}, {where}; "
                               f"{_stopped_without_saving(self.checkpoints.latest)}")
         self.observers.on_call_end(CallEnd(self.done, current.epoch, current.finished, results,
-                                           lambda: current.totals.logs(engine.objective)))
+                                           lambda: current.totals.logs(trainer.step.metric_results)))
         display = self.options.display_step
         if results.steps and display and (_crosses(before, current.finished, display)
-                                          or current.finished == engine.steps_per_epoch or self.stop.signum):
+                                          or current.finished == trainer.steps_per_epoch or self.stop.signum):
             self._progress(current)
 
     def _progress(self, current: _Epoch):
         """Tells the observers about the steps since the last progress line."""
         now, interval = time.perf_counter(), current.totals.since(current.shown)
-        per_epoch = self.engine.steps_per_epoch
+        per_epoch = self.trainer.steps_per_epoch
         self.observers.on_progress(ProgressLine(
             current.epoch, current.finished, per_epoch, current.epoch * per_epoch + current.finished,
-            interval.logs(self.engine.objective), interval.examples / (now - current.shown_time),
+            interval.logs(self.trainer.step.metric_results), interval.examples / (now - current.shown_time),
             current.totals.examples, interval.skipped, dict(interval.by_worker)))
         current.shown, current.shown_time = current.totals.copy(), now
 
     def _save(self, epoch, step, save):
         """Saves through `save` unless a non-finite gradient has already spoilt the weights."""
-        if not bool(self.engine.weights_finite()):
+        if not bool(self.trainer.weights_finite()):
             raise GpuparError(f"the weights became non-finite (a NaN or Inf gradient) by epoch {epoch}, step {step}; "
                               f"{_stopped_without_saving(self.checkpoints.latest)}")
         return save()
 
     def _save_step(self, current: _Epoch):
         """Saves a step checkpoint once every step asked for is in the weights, and in the totals."""
-        self._add(current, self.engine.finish(), 0)
+        self._add(current, self.trainer.finish(), 0)
         position = Position(current.epoch, current.asked, totals=current.so_far().to_dict())
         return self._save(current.epoch, current.asked, lambda: self.checkpoints.save_step(
-            position, current.epoch * self.engine.steps_per_epoch + current.asked))
+            position, current.epoch * self.trainer.steps_per_epoch + current.asked))
 
     def _chunk(self, step):
         """Steps in the next call: K, cut at the epoch end, at step-checkpoint boundaries and by the observers."""
-        num = min(self.engine.steps_per_call, self.engine.steps_per_epoch - step)
+        num = min(self.trainer.steps_per_call, self.trainer.steps_per_epoch - step)
         every = self.options.checkpoint_every_steps
         if every is not None:
             num = min(num, every - step % every)
@@ -223,17 +223,17 @@ class Loop:
           TrainingInterrupted: a signal, after a step checkpoint.
           _CallbackStop: a callback set model.stop_training, after a step checkpoint.
         """
-        per_epoch, every, stop = self.engine.steps_per_epoch, self.options.checkpoint_every_steps, self.stop
+        per_epoch, every, stop = self.trainer.steps_per_epoch, self.options.checkpoint_every_steps, self.stop
         current = _Epoch(epoch, start)
         if start.step == 0:
-            self.engine.begin_epoch()
+            self.trainer.begin_epoch()
         while current.asked < per_epoch:
             if stop.signum:
                 self._interrupt(stop, self._save_step(current))
             num_steps = self._chunk(current.asked)
             self._call(current, num_steps)
             current.asked += num_steps
-            if current.asked < per_epoch and self.engine.model.stop_training:
+            if current.asked < per_epoch and self.trainer.model.stop_training:
                 saved = self._save_step(current)
                 log.info("Epoch:[%d] a callback stopped training at step %d%s", epoch, current.asked,
                          f"; saved {saved}" if saved else "")
@@ -241,7 +241,7 @@ class Loop:
             if current.asked < per_epoch and not stop.signum and _crosses(current.asked - num_steps, current.asked,
                                                                            every):
                 self._save_step(current)
-        self._add(current, self.engine.finish(), 0)
+        self._add(current, self.trainer.finish(), 0)
         return self._record(current)
 
     def _record(self, current: _Epoch) -> EpochRecord:
@@ -249,9 +249,10 @@ class Loop:
         totals = current.totals
         totals.seconds += time.perf_counter() - current.began
         figures = self.observers.epoch_figures()  # before the evaluation, which they do not measure
-        evaluation = self.engine.evaluate() if self.options.evaluates_after(current.epoch) else {}
+        logs = totals.logs(self.trainer.step.metric_results)  # before the evaluation, which a layer's metric sees
+        evaluation = self.trainer.evaluate() if self.options.evaluates_after(current.epoch) else {}
         return EpochRecord(
-            epoch=current.epoch, logs={**totals.logs(self.engine.objective), **evaluation},
+            epoch=current.epoch, logs={**logs, **evaluation},
             seconds=totals.seconds, examples_per_second=totals.examples / totals.seconds, steps=totals.steps,
             skipped_steps=totals.skipped, resumed_at_step=current.start.step,
             updates_by_worker=dict(totals.by_worker) or None, **figures)
@@ -266,8 +267,8 @@ class Loop:
         history, epochs, self.stop = [], self.options.epochs, stop
         if start.epoch >= epochs:
             log.info("nothing to train: the checkpoint already holds %d epoch(s), epochs=%d", start.epoch, epochs)
-        self.input = self.engine.start(start.epoch * self.engine.steps_per_epoch + start.step)
-        self.engine.model.stop_training = False
+        self.input = self.trainer.start(start.epoch * self.trainer.steps_per_epoch + start.step)
+        self.trainer.model.stop_training = False
         self.observers.on_train_begin()
         for epoch in range(start.epoch, epochs):
             self.observers.on_epoch_begin(epoch)
@@ -276,7 +277,7 @@ class Loop:
             except _CallbackStop:
                 break
             history.append(record)
-            saved = self._save(epoch, self.engine.steps_per_epoch, lambda: self.checkpoints.save_epoch(epoch + 1))
+            saved = self._save(epoch, self.trainer.steps_per_epoch, lambda: self.checkpoints.save_epoch(epoch + 1))
             self.observers.on_epoch_end(record, saved, history)
             if stop.signum:
                 self._interrupt(stop, saved)
@@ -284,7 +285,7 @@ class Loop:
             if reached:
                 log.info("Epoch:[%d] %s; stopping", epoch, reached)
                 break
-            if self.engine.model.stop_training:
+            if self.trainer.model.stop_training:
                 log.info("Epoch:[%d] a callback stopped training", epoch)
                 break
         self.observers.on_train_end(history)

@@ -56,6 +56,18 @@ class MetricTerm:
     loss: Optional[LossTerm] = None  # a multi-output model's per-output loss, logged as Keras logs it
 
 
+def _label_keys(y, keys, with_loss):
+    """The outputs that y's labels go to, in order, where y holds fewer labels than the model has outputs; else None.
+
+    As Keras' compile: a model with outputs whose loss is None takes one label per output that has
+    a loss (loss=[fn, None] with one y: y is the first output's labels).
+    """
+    if y is None or len(keys) < 2 or isinstance(y, dict):
+        return None
+    labels = list(y) if isinstance(y, (list, tuple)) else [y]
+    return list(with_loss) if len(labels) != len(keys) and len(labels) == len(with_loss) else None
+
+
 def _part(structure, key):
     return structure if key is None else structure[key]
 
@@ -139,6 +151,8 @@ class Objective:
         keys = _output_keys(sample_y_pred)
         losses = {} if loss is None else _by_output(loss, keys, "loss")
         weights = {} if loss_weights is None else _by_output(loss_weights, keys, "loss_weights")
+        self.label_keys = _label_keys(sample_y, keys, [key for key, spec in losses.items() if spec is not None])
+        sample_y = self.labels(sample_y)
         if any(spec is not None for spec in losses.values()) and sample_y is None:
             raise GpuparError("the loss needs labels, but there is no y: pass y (gpupar.fit(model_fn, x, y, ...); as in "
                               "Keras a tuple x is the model's inputs), or train on x alone with a loss the model adds")
@@ -169,6 +183,12 @@ class Objective:
             raise GpuparError(f"metrics: two metrics would log under the same name ({', '.join(names)}); give them "
                               "names of their own (name=...)")
 
+    def labels(self, y):
+        """y as the outputs' losses and metrics read it: by output, where fewer labels than outputs came (label_keys)."""
+        if self.label_keys is None or y is None:
+            return y
+        return dict(zip(self.label_keys, y if isinstance(y, (list, tuple)) else [y]))
+
     def _log_name(self, name, key, output_names, weighted):
         """The metric's log name as Keras' compile gives it: '<output>_<name>', 'weighted_<name>' where taken."""
         output = key if not isinstance(key, int) or not output_names else output_names[key]
@@ -194,6 +214,7 @@ class Objective:
         """
         if not self.losses:  # the model's own losses (add_loss) are the whole loss
             return tf.zeros([0]), tf.zeros([0])
+        y = self.labels(y)
         parts = [_term_sums(term, y, y_pred, sample_weight) for term in self.losses]
         return (tf.stack([numerator * term.weight for term, (numerator, _) in zip(self.losses, parts)]),
                 tf.stack([denominator for _, denominator in parts]))
@@ -222,8 +243,7 @@ class Objective:
         if total is None:
             if whole is not None:
                 denominators = self._whole_denominators(denominators, len_rows(y_pred), *whole)
-            context = tf.distribute.get_replica_context()
-            total = context.all_reduce(SUM, denominators) if context is not None else denominators
+            total = summed_over_replicas(denominators)
         return tf.reduce_sum(tf.math.divide_no_nan(numerators, total)), total
 
     def _whole_denominators(self, denominators, rows, whole_rows, whole_weight):
@@ -247,7 +267,7 @@ class Objective:
 
     def metric_states(self, y, y_pred, sample_weight) -> list:
         """The metrics' states for this share of the batch alone, flattened (they add up over shares)."""
-        states = []
+        y, states = self.labels(y), []
         for term in self.metrics:
             if term.loss is not None:
                 states += self._loss_state(term.loss, y, y_pred, sample_weight)
@@ -284,6 +304,7 @@ class Objective:
 
     def batch_level(self, y, y_pred) -> List[str]:
         """The names of the losses that give one value for a whole batch rather than one per example."""
+        y = self.labels(y)
         return [term.name for term in self.losses
                 if tf.rank(term.fn(tf.nest.map_structure(lambda t: tf.cast(t, tf.float32), _part(y, term.key)),
                                    tf.cast(_part(y_pred, term.key), tf.float32))) == 0]
@@ -338,6 +359,14 @@ def _term_sums(term: LossTerm, y, y_pred, sample_weight):
     if term.reduction == "sum":
         return numerator, tf.constant(1.0 / replicas)  # one per global batch
     return numerator, tf.cast(tf.size(values), tf.float32)
+
+
+def summed_over_replicas(value):
+    """value summed over the replicas in sync (itself where there is one: a parameter-server worker, one device)."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return value
+    return context.all_reduce(SUM, value)
 
 
 def len_rows(structure):

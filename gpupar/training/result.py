@@ -76,10 +76,12 @@ class FitResult:
       logs: The final model's logs: the last epoch's, or a fresh evaluation when nothing was left to train.
       total_seconds: Wall time of the whole run, set-up included.
       strategy_description: The one-line description of the strategy that was chosen.
-      replicas: Number of replicas (data-parallel copies of the whole pipeline for model_parallel).
-      global_batch: Examples per step over all replicas.
+      replicas: Replicas whose shares of the batch make one update (data-parallel copies of the
+        whole pipeline for model_parallel; 1 for parameter servers, whose workers update on their own).
+      global_batch: Examples per step (one update) over those replicas.
       start_epoch: Epochs already done when this run started (more than 0 when resumed).
       checkpoint: Path of the last checkpoint written or restored, if any.
+      workers: Parameter-server workers, each updating with its own batches (1 in every other mode).
     """
 
     model: Any
@@ -93,6 +95,7 @@ class FitResult:
     start_epoch: int
     checkpoint: Optional[str]
     history: Dict[str, List[Any]] = dataclasses.field(default_factory=dict)
+    workers: int = 1
 
     @property
     def test_accuracy(self) -> Optional[float]:
@@ -111,6 +114,7 @@ class FitResult:
             "total_seconds": self.total_seconds,
             "strategy": self.strategy_description,
             "replicas": self.replicas,
+            "workers": self.workers,
             "global_batch": self.global_batch,
             "start_epoch": self.start_epoch,
             "checkpoint": self.checkpoint,

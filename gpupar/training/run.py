@@ -1,8 +1,6 @@
 """One training run from a Config: the mode, output folders, locks, restore, the observers, the loop, the result.
 
-    import gpupar
-    result = gpupar.fit(model_fn, (x, y), eval_data=(x_test, y_test), strategy="mirrored")
-
+gpupar.fit and gpupar.fit_mnist come here with their Config and Task (gpupar.training.task).
 In a synchronous cluster every worker runs the same loop and only the chief keeps what it writes
 (gpupar.training.multi_worker); with parameter servers the chief coordinates and the other
 tasks serve (gpupar.training.modes.parameter_server).
@@ -19,7 +17,7 @@ from gpupar.config import Config
 from gpupar.data.adapters import input_errors
 from gpupar.monitor import utilisation
 from gpupar.runtime.cluster import detect_cluster
-from gpupar.training import modes, multi_worker
+from gpupar.training import multi_worker
 from gpupar.training.checkpoint import Checkpoints, ModelDirLock, Position
 from gpupar.training.interrupt import StopRequests
 from gpupar.training.loop import Loop
@@ -27,18 +25,19 @@ from gpupar.training.observers import (GpuUse, InputWaitMonitor, KerasCallbacks,
                                        ProgressLog, TensorBoardScalars)
 from gpupar.training.outputs import describe_outputs, resolve_outputs
 from gpupar.training.result import FitResult, format_logs
-from gpupar.training.setup import build_engine
+from gpupar.training.setup import build_trainer
 from gpupar.training.task import Task
 
 log = logging.getLogger("gpupar")
 
 
-def train_and_evaluate(config: Config, task: Task) -> FitResult:
+def train_and_evaluate(config: Config, task: Task, mode) -> FitResult:
     """Trains `task` as the config says, evaluating and checkpointing after every epoch.
 
     Args:
       config: The run's options.
       task: What to train (gpupar.training.task: gpupar.fit's arguments, or an MNIST preset).
+      mode: The run's mode (gpupar.training.modes.checked: its options' refusals done).
 
     Returns:
       The FitResult: the model, its history and final logs.
@@ -49,7 +48,7 @@ def train_and_evaluate(config: Config, task: Task) -> FitResult:
       TrainingInterrupted: SIGINT or SIGTERM, after a checkpoint.
     """
     with _quiet(config.loop.verbose == 0):
-        return _train(config, task)
+        return _train(config, task, mode)
 
 
 @contextlib.contextmanager
@@ -64,15 +63,14 @@ def _quiet(quiet: bool):
         log.setLevel(level)
 
 
-def _train(config: Config, task: Task) -> FitResult:
+def _train(config: Config, task: Task, mode) -> FitResult:
     cluster = detect_cluster(slurm_ps=config.distribution.slurm_ps)
-    mode = modes.checked(config, cluster)  # strategy=auto in a cluster with ps tasks decides the mode only now
     chief = cluster is None or cluster.is_chief
     outputs = resolve_outputs(config.outputs, chief=chief)
     if mode.serves(cluster):
-        mode.serve(config, cluster)  # never returns
+        mode.serve(config.device_setup, cluster)  # never returns
     started = time.perf_counter()
-    engine = build_engine(config, task, mode, cluster)  # every check of the input first: nothing is written before
+    trainer = build_trainer(config, task, mode, cluster)  # every check of the input first: nothing is written before
     with contextlib.ExitStack() as held:
         held.enter_context(ModelDirLock(outputs.model_dir if chief and outputs.save else None))
         stop = held.enter_context(StopRequests())
@@ -80,44 +78,44 @@ def _train(config: Config, task: Task) -> FitResult:
         if cluster is not None:
             # TF's coordination service took SIGTERM over when the strategy started.
             stop.reinstall()
-            if engine.lockstep_workers:
+            if trainer.placement.lockstep_workers:
                 scratch = held.enter_context(multi_worker.ScratchDir(cluster, outputs.model_dir, outputs.save)).path
                 outputs = multi_worker.worker_outputs(outputs, cluster)
-                stop = multi_worker.AgreedStop(stop, engine.strategy)  # every worker stops after the same step
-        return _run(config, outputs, engine, task, stop, cluster, scratch, started)
+                stop = multi_worker.AgreedStop(stop, trainer.strategy)  # every worker stops after the same step
+        return _run(config, outputs, trainer, task, stop, cluster, scratch, started)
 
 
-def _run(config: Config, outputs, engine, task, stop, cluster, scratch_dir, started) -> FitResult:
-    checkpoints = Checkpoints(outputs.model_dir, engine.model, engine.optimizer, outputs.max_to_keep,
-                              engine.global_batch, engine.signature, outputs.save,
-                              engine.update_optimizer if config.step.precision == "mixed_float16" else None,
-                              engine.step_state)
+def _run(config: Config, outputs, trainer, task, stop, cluster, scratch_dir, started) -> FitResult:
+    checkpoints = Checkpoints(outputs.model_dir, trainer.state(), outputs.max_to_keep, trainer.global_batch,
+                              trainer.signature, outputs.save, trainer.loss_scale)
     saved_at = checkpoints.restore(outputs.resume)
     if scratch_dir is not None:
         checkpoints.write_to(scratch_dir)  # a non-chief worker: it restores the chief's, keeps nothing
-    start = saved_at.rebatched(engine.global_batch, engine.steps_per_epoch)
+    start = saved_at.rebatched(trainer.global_batch, trainer.steps_per_epoch)
     if (start.epoch, start.step) == (0, 0) and config.loop.initial_epoch:
         start = Position(config.loop.initial_epoch)  # model.fit's initial_epoch, where no checkpoint says otherwise
     if start.step != saved_at.step:
         log.info("the checkpoint is %d steps of %d into epoch %d; with %d steps of %d per epoch now, this run "
                  "continues at step %d, on a data order of its own", saved_at.step, saved_at.global_batch,
-                 saved_at.epoch, engine.steps_per_epoch, engine.global_batch, start.step)
-    if engine.learning_rate is not None:
-        engine.optimizer.learning_rate.assign(engine.learning_rate)  # the checkpoint's value would win otherwise
+                 saved_at.epoch, trainer.steps_per_epoch, trainer.global_batch, start.step)
+    if trainer.learning_rate is not None:
+        trainer.optimizer.learning_rate.assign(trainer.learning_rate)  # the checkpoint's value would win otherwise
 
     def result(history, logs):
         return FitResult(
-            model=engine.model, strategy=engine.strategy, records=list(history), logs=logs,
-            total_seconds=time.perf_counter() - started, strategy_description=engine.description,
-            replicas=engine.replicas, global_batch=engine.global_batch, start_epoch=start.epoch,
-            checkpoint=checkpoints.latest, history=_keras_history(engine.model))
+            model=trainer.given_model or trainer.model, strategy=trainer.strategy, records=list(history), logs=logs,
+            total_seconds=time.perf_counter() - started, strategy_description=trainer.description,
+            replicas=trainer.replicas, global_batch=trainer.global_batch, start_epoch=start.epoch,
+            checkpoint=checkpoints.latest, history=_keras_history(trainer.model), workers=trainer.placement.workers)
 
-    observers = _observers(config, outputs, engine, task,
+    observers = _observers(config, outputs, trainer, task,
                            lambda history: result(history, dict(history[-1].logs)).write_json(outputs.metrics_json))
     with contextlib.closing(observers), _lost_peers_explained(cluster, checkpoints), input_errors():
-        loop = Loop(engine, config.loop, checkpoints, observers, config.step.nan_policy)
+        loop = Loop(trainer, config.loop, checkpoints, observers, config.step.nan_policy)
         history = loop.run(start, stop)
-    final = result(history, dict(history[-1].logs) if history else _final_evaluation(engine))
+    if trainer.given_model is not None:  # trained as a copy rebuilt under the strategy: as model.fit, train the model
+        trainer.given_model.set_weights(trainer.model.get_weights())
+    final = result(history, dict(history[-1].logs) if history else _final_evaluation(trainer))
     log.info("Final: %s; total time: %.1f s", format_logs(final.logs) or "no evaluation data", final.total_seconds)
     if outputs.metrics_json:
         final.write_json(outputs.metrics_json)
@@ -134,10 +132,10 @@ def _keras_history(model) -> dict:
     return {name: list(values) for name, values in getattr(history, "history", {}).items()}
 
 
-def _final_evaluation(engine) -> dict:
+def _final_evaluation(trainer) -> dict:
     """The logs of a run that trained nothing: the evaluation of the restored model."""
     with input_errors():
-        return engine.evaluate()
+        return trainer.evaluate()
 
 
 def progress_bar(verbose) -> bool:
@@ -145,7 +143,7 @@ def progress_bar(verbose) -> bool:
     return verbose in (1, "auto") and sys.stdout.isatty()
 
 
-def _observers(config: Config, outputs, engine, task, write_metrics) -> Observers:
+def _observers(config: Config, outputs, trainer, task, write_metrics) -> Observers:
     """Everything that watches this run, in the order the loop calls them: the files, the log lines, the probes, the
     user's callbacks last (they see what was written)."""
     verbose, bar = config.loop.verbose, progress_bar(config.loop.verbose)
@@ -156,14 +154,14 @@ def _observers(config: Config, outputs, engine, task, write_metrics) -> Observer
         observers.append(TensorBoardScalars(outputs.log_dir))
     if verbose != 0 and not bar:
         observers.append(ProgressLog(show_examples=config.step.accumulate_steps > 1))
-    observers.append(InputWaitMonitor(config.input, task.train.input_bound_hints(), engine.on_gpus,
-                                      virtual_cpus=engine.replicas > 1 and not engine.on_gpus))
-    sampler = utilisation.start_sampler(engine.visible_gpus, log)
+    observers.append(InputWaitMonitor(config.input, task.train.input_bound_hints(), trainer.on_gpus,
+                                      virtual_cpus=trainer.replicas > 1 and not trainer.on_gpus))
+    sampler = utilisation.start_sampler(trainer.visible_gpus, log)
     if sampler:
         observers.append(GpuUse(sampler))
     if config.loop.profile_steps:
         observers.append(Profile(config.loop.profile_steps, outputs.log_dir))
-    observers.append(KerasCallbacks(task.callbacks, engine.model, config.loop.epochs, engine.steps_per_epoch,
+    observers.append(KerasCallbacks(task.callbacks, trainer.model, config.loop.epochs, trainer.steps_per_epoch,
                                     verbose=1 if verbose == "auto" else verbose, progress_bar=bar))
     return Observers(observers)
 

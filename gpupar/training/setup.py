@@ -1,10 +1,10 @@
-"""One run's set-up, whatever the mode: devices, placement, data, model, optimizer, objective; then the mode's builder.
+"""One run's set-up, whatever the mode: devices, placement, data, model, optimizer, step; the Trainer, made once.
 
-`build_engine` does the set-up that every mode shares, in one place, handing each part of the
-Config to the layer that reads it; the mode (gpupar.training.modes) places the replicas and
-variables before it and builds the complete Engine after it. Training (gpupar.training.run) and
-`gpupar diagnose` build the same engine, so diagnose measures the step and the pipeline that
-training would run.
+`build_trainer` does the set-up that every mode shares, in one place, handing each part of the
+Config to the layer that reads it and asking the mode (gpupar.training.modes) for its parts:
+the placement, the model's build, the step, the calls, the input and the evaluation. Training
+(gpupar.training.run) and `gpupar diagnose` build the same Trainer, so diagnose measures the
+step and the pipeline that training would run.
 """
 
 import dataclasses
@@ -18,16 +18,17 @@ import tensorflow as tf
 from gpupar.errors import GpuparError, TensorFlowStarted
 from gpupar.models.layers import fall_back_from_xla, replica_consistent_state, xla_batch_norm_error
 from gpupar.runtime.devices import configure_devices
-from gpupar.training.engine import Engine, Prepared
 from gpupar.training.inner_loop import unpack
 from gpupar.training.objective import Objective
-from gpupar.training.own_step import has_own_step, own_step_note
+from gpupar.training.steps.own import has_own_step, own_step_note
+from gpupar.training.steps.parts import finite_check
+from gpupar.training.trainer import Trainer
 
 log = logging.getLogger("gpupar")
 
 
-def build_engine(config, task, mode, cluster=None) -> Engine:
-    """Sets up a run of `task` as config says: the one set-up of every mode, then the mode's builder.
+def build_trainer(config, task, mode, cluster=None) -> Trainer:
+    """Sets up a run of `task` as config says, whatever the mode: the one set-up, which makes the Trainer once.
 
     Args:
       config: The run's options.
@@ -36,17 +37,20 @@ def build_engine(config, task, mode, cluster=None) -> Engine:
       cluster: The cluster (gpupar.runtime.cluster) of a multi-worker or parameter-server run.
 
     Returns:
-      The Engine, its input not started yet (Engine.start).
+      The Trainer, its input not started yet (Trainer.start).
 
     Raises:
       GpuparError: bad devices, data, model, loss or metrics, found before any training step.
     """
-    mode.refuse_task(task, config)
-    devices, placement = _placed(config, cluster, task, mode)
-    if config.step.precision == "mixed_float16" and not placement.on_gpus:
+    step_options, loop = config.step, config.loop
+    mode.refuse_task(task)
+    _refuse_accumulation(task.train, step_options)
+    devices, placement = _placed(config.device_setup, cluster, task, mode)
+    if step_options.precision == "mixed_float16" and not placement.on_gpus:
         log.warning("precision=mixed_float16 without a GPU: the CPU emulates much of float16 math; "
                     "mixed_bfloat16 is the CPU's mixed precision")
-    keras.utils.set_random_seed(config.seed)
+    if task.seeded:
+        keras.utils.set_random_seed(config.seed)
 
     train, evaluation = task.train, task.evaluation
     for adapter in (train, evaluation):
@@ -55,41 +59,77 @@ def build_engine(config, task, mode, cluster=None) -> Engine:
     log.info("data: %s%s", train.description, f"; evaluation: {evaluation.description}" if evaluation else "")
     if train.resume_note and config.outputs.resume is not False:
         log.info("resume: %s", train.resume_note)
-    per_step = train.batch_size(config.input, placement.replicas_per_update)
-    global_batch = per_step * config.step.accumulate_steps  # examples per update
-    steps_per_epoch = _steps_per_epoch(config.loop, train, global_batch, placement)
-    model, compiled, updated, inner, applied = _model_and_optimizer(config.step, task, mode, placement, train)
-    own_step = compiled.own_step
-    step, loop = _with_compile_options(config.step, config.loop, compiled)
+    per_step = train.batch_size(config.input, placement.replicas)
+    global_batch = per_step * step_options.accumulate_steps  # examples per update
+    steps_per_epoch = _steps_per_epoch(loop, train, global_batch, placement)
+    eval_batch = config.input.validation_batch_size or per_step
+    model, placement, compiled, variables, optimizer, update_optimizer = _model_and_optimizer(
+        step_options, task, mode, placement, train)
+    step_options, loop = _with_compile_options(step_options, loop, compiled)
+    step_options = _jit_resolved(step_options, model, mode.jit_refusal(placement))
     if placement.on_gpus and fall_back_from_xla(model, xla_batch_norm_error(placement.devices[0])):
         log.warning("XLA could not compile the batch norm on %s, so it runs as Keras' BatchNormalization (the same "
                     "variables, slower): CUDA's ptxas and libdevice are missing; pip install 'tensorflow[and-cuda]' "
                     "brings them", placement.devices[0])
-    objective = None if own_step else _checked_objective(compiled, model, train)
-    _compiled_for_keras(model, compiled, applied, placement)
-    _log_batch(per_step, placement, step, train)
-    _log_step_options(step)
-    if own_step:
+    if compiled.own_step:
+        step = mode.own_step(model, train, evaluation, placement, global_batch, eval_batch,
+                             config.input.validation_steps, step_options.jit_compile)
         log.info(own_step_note(model))
-    return mode.build(Prepared(
-        placement=placement, model=model, optimizer=inner, update_optimizer=applied, updated_variables=updated,
-        objective=objective, train=train, evaluation=evaluation, global_batch=global_batch,
-        eval_batch=config.input.validation_batch_size or per_step, steps_per_epoch=steps_per_epoch,
-        distribution=config.distribution, input=config.input, step=step, loop=loop, seed=config.seed,
+    else:
+        objective = _checked_objective(compiled, model, train)
+        step = mode.step(model, objective, optimizer, update_optimizer, variables, step_options, placement)
+    _compiled_for_keras(model, compiled, update_optimizer, placement)
+    _log_batch(per_step, placement, step_options, train)
+    _log_step_options(step_options)
+    return Trainer(
+        placement=placement, model=model, optimizer=optimizer,
+        loss_scale=update_optimizer if _scales_the_loss(update_optimizer, step_options) else None, step=step,
+        calls=mode.calls(step, placement), make_input=mode.make_input(train, placement, global_batch),
+        evaluate=mode.evaluation(step, evaluation, placement, eval_batch, config.input.validation_steps),
+        weights_finite=finite_check(model), global_batch=global_batch, steps_per_epoch=steps_per_epoch,
+        steps_per_call=loop.steps_per_call or mode.steps_per_call or loop.steps_in_a_call(steps_per_epoch),
         signature=task.signature or _signature(model),
-        learning_rate=None if compiled.optimizer is not None else config.step.learning_rate,
-        visible_gpus=devices.visible_gpus, own_step=own_step))
+        learning_rate=None if compiled.optimizer is not None else step_options.learning_rate,
+        visible_gpus=devices.visible_gpus, given_model=task.model if task.model is not model else None)
 
 
-def _placed(config, cluster, task, mode):
+def _scales_the_loss(optimizer, step_options) -> bool:
+    """Whether the optimizer is a loss-scale optimizer of mixed_float16 (not nan_policy=skip's, reset every call)."""
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and step_options.nan_policy != "skip"
+
+
+def _refuse_accumulation(train, step_options):
+    """Refuses accumulate_steps for data whose batches are their own (it makes each replica's batch N times larger)."""
+    accumulate = step_options.accumulate_steps
+    if train.own_batches and accumulate > 1:
+        raise GpuparError(f"accumulate_steps={accumulate} makes each replica's batch {accumulate} times larger, and "
+                          f"{train.form}'s batches are its own: give arrays or an unbatched dataset, or make its "
+                          "batches larger and use accumulate_steps=1")
+
+
+def _jit_resolved(step_options, model, refusal):
+    """The step options with jit_compile off where the mode's placement or a layer of the model cannot take XLA."""
+    if not step_options.jit_compile:
+        return step_options
+    unsupported = [layer.name for layer in model._flatten_layers() if not getattr(layer, "supports_jit", True)]
+    if unsupported and not refusal:
+        refusal = (f"jit_compile: layer {unsupported[0]} cannot be compiled by XLA (as Keras' own fit decides from "
+                   "Layer.supports_jit), so the step runs without XLA")
+    if refusal:
+        log.info(refusal)
+        return dataclasses.replace(step_options, jit_compile=False)
+    return step_options
+
+
+def _placed(device_setup, cluster, task, mode):
     """(the DevicePlan, the mode's Placement): devices configured and the strategy made, both logged.
 
     Raises:
       TensorFlowStarted: TensorFlow ran before it could be set up, naming what in the task started it.
     """
     try:
-        devices = configure_devices(config.device_setup)
-        placement = mode.place(config, cluster)
+        devices = configure_devices(device_setup)
+        placement = mode.place(device_setup, cluster)
     except TensorFlowStarted as e:
         if not task.early_start:
             raise
@@ -104,9 +144,14 @@ def _placed(config, cluster, task, mode):
 def _steps_per_epoch(loop, train, global_batch: int, placement) -> int:
     """Steps in one epoch: a pass over the training data, capped by the loop's steps_per_epoch."""
     # A dataset_fn's per-replica batches: each input pipeline gives those of its replicas that share a step.
-    steps = train.steps_per_epoch(global_batch, placement.replicas_per_update // placement.input_pipelines)
+    steps = train.steps_per_epoch(global_batch, placement.replicas // placement.input_pipelines)
     if loop.steps_per_epoch is not None:
         steps = min(steps or loop.steps_per_epoch, loop.steps_per_epoch)
+    elif steps is None:  # one pass per epoch, as Keras runs data of unknown length
+        steps = train.counted_steps(global_batch)
+        if steps is not None:
+            log.info("data: %s: their length was unknown, so one pass was counted before training; an epoch is "
+                     "%d steps", train.description, steps)
     if steps is None:
         raise GpuparError(f"the training data ({train.description}) have no known length, so an epoch has none; "
                           "pass steps_per_epoch")
@@ -123,7 +168,7 @@ class Compiled:
       steps_per_execution: compile's steps_per_execution (1: not given).
       jit_compile: compile's jit_compile, resolved by Keras (False on a machine without accelerators).
       by_user: Whether the model came compiled from model_fn.
-      own_step: Whether the model's own train_step trains it (gpupar.training.own_step); its compile
+      own_step: Whether the model's own train_step trains it (gpupar.training.steps.own); its compile
         says only the optimizer (its own, used as it is), steps_per_execution and jit_compile.
     """
 
@@ -154,16 +199,26 @@ def compile_arguments(model, task) -> Compiled:
     if given:
         raise GpuparError(f"model_fn returns a model compiled with its own {given[0]}, and gpupar.fit got {given[0]}= "
                           f"too; drop one of them (the rule: compile in model_fn, call gpupar.fit as model.fit)")
-    settings = model._compile_config.config  # Keras keeps compile()'s arguments here (get_compile_config)
-    if settings.get("run_eagerly"):
+    if model.run_eagerly:
         raise GpuparError("the model is compiled with run_eagerly=True, which runs model.fit's step eagerly for "
                           "debugging; gpupar runs its step in one tf.function per call: compile without it")
-    return Compiled(model.optimizer, settings.get("loss"), settings.get("loss_weights"), settings.get("metrics"),
-                    settings.get("weighted_metrics"), int(settings.get("steps_per_execution") or 1),
-                    bool(settings.get("jit_compile")), by_user=True, own_step=own_step)
+    settings = _compile_settings(model)
+    return Compiled(model.optimizer, model.loss, settings.get("loss_weights"), settings.get("metrics"),
+                    settings.get("weighted_metrics"), int(model.steps_per_execution or 1), bool(model.jit_compile),
+                    by_user=True, own_step=own_step)
 
 
-def _refuse_own_step(model, mode, step):
+def _compile_settings(model) -> dict:
+    """compile()'s metrics, weighted_metrics and loss_weights as given: the one read of Keras' private attributes.
+
+    Keras 3 keeps the optimizer, loss, jit_compile, run_eagerly and steps_per_execution as public
+    attributes, but the metrics as given only in `_compile_config` (get_compile_config() returns
+    them serialized, metric objects as dicts). tests/test_fit.py trains compiled metrics through it.
+    """
+    return model._compile_config.config
+
+
+def _checked_own_step(model, mode, step):
     """The model, unless it has its own train_step and the mode or the step options cannot run it: one line, its class.
 
     Asked as soon as model_fn returns, before a mode's own checks of the model.
@@ -199,32 +254,111 @@ def _with_compile_options(step, loop, compiled: Compiled):
 
 
 def _model_and_optimizer(step, task, mode, placement, train):
-    """(model, its Compiled arguments, variables updated, optimizer, optimizer that applies updates).
+    """(model, placement, its Compiled arguments, variables updated, optimizer, optimizer that applies updates).
 
-    All are made under the placement's scope, the model's layers in the run's dtype policy.
+    All are made under the placement's scope, the model's layers in the run's dtype policy. A
+    model given built keeps its optimizer (and so its state from an earlier fit) where it trains
+    as it is (_given_model); the placement is then the one it trains under.
     """
     previous_policy = keras.config.dtype_policy()
     if step.precision != "float32":
         keras.config.set_dtype_policy(step.precision)  # the user's layers compute in 16 bits, weights stay float32
     try:
+        if task.model is not None:
+            model, placement = _given_model(task.model, mode, placement, step)
         with placement.strategy.scope():
             with replica_consistent_state():  # the model's state only: the optimizer's keeps Keras' aggregation
-                model = mode.build_model(lambda: _refuse_own_step(task.build_model(), mode, step), placement,
-                                         train.sample())
-            compiled = compile_arguments(model, task)
+                if task.model is None:
+                    model = mode.build_model(lambda: _checked_own_step(task.build_model(), mode, step), placement,
+                                             train.sample())
+                elif model is not task.model:
+                    model = _rebuilt(task.model)
+            compiled = compile_arguments(task.model or model, task)
             if compiled.own_step:
                 if not compiled.optimizer.built:
                     compiled.optimizer.build(model.trainable_variables)  # as model.fit builds it
-                return model, compiled, model.trainable_variables, compiled.optimizer, compiled.optimizer
+                return model, placement, compiled, model.trainable_variables, compiled.optimizer, compiled.optimizer
             updated, split = mode.updated_variables(model)
-            inner = _optimizer(compiled.optimizer, step.learning_rate)
-            applied = _loss_scaled(inner, step)
-            applied.build(updated)  # each slot variable is placed beside its variable
+            if model is task.model and compiled.by_user:
+                inner, applied = _kept_optimizer(model.optimizer, step)
+            else:  # a fresh one: from model_fn's compile, fit's arguments, or a rebuilt model's compile
+                inner = _optimizer(compiled.optimizer, step.learning_rate, used=task.model is not None)
+                applied = _loss_scaled(inner, step)
+            if not applied.built:
+                applied.build(updated)  # each slot variable is placed beside its variable
     finally:
         keras.config.set_dtype_policy(previous_policy)
     for line in split:
         log.info("variable %s", line)
-    return model, compiled, updated, inner, applied
+    return model, placement, compiled, updated, inner, applied
+
+
+def _given_model(model, mode, placement, step):
+    """(the given model, or a marker that it must be rebuilt; the placement it trains under).
+
+    A model built under the run's strategy trains as it is; one built outside any strategy trains
+    as it is on one device (under TensorFlow's default strategy, as model.fit without one) and is
+    rebuilt under the strategy for several.
+
+    Raises:
+      GpuparError: a mode that builds the model itself, a model of another strategy, a model that
+        Keras cannot rebuild, precision for a built model.
+    """
+    if not mode.takes_built_model:
+        raise GpuparError(f"strategy={mode.name} places the variables as it builds the model; pass a function that "
+                          "builds and compiles it: gpupar.fit(model_fn, ...)")
+    _checked_own_step(model, mode, step)
+    if step.precision != "float32":
+        raise GpuparError(f"precision={step.precision} sets the dtype policy of the layers gpupar builds, and this "
+                          f"model is built already: call keras.config.set_dtype_policy({step.precision!r}) before "
+                          "building it (and drop precision)")
+    made_under = strategy_of(model)
+    if made_under is placement.strategy:
+        return model, placement
+    if made_under is not None:
+        raise GpuparError(f"{model.name} was built under another strategy than this fit's ({placement.description}); "
+                          "build it under gpupar.strategy(...) with the fit's options, or fit it without strategy "
+                          "options")
+    if placement.replicas == 1 and placement.workers == 1 and len(placement.devices) == 1:
+        return model, dataclasses.replace(placement, strategy=tf.distribute.get_strategy())
+    if not _clonable(model):
+        raise GpuparError(f"{model.name} ({type(model).__name__}) was built outside any strategy, and Keras can rebuild "
+                          "only Sequential and functional models; build it under the strategy: strategy = "
+                          "gpupar.strategy(...) first thing in the script, then `with strategy.scope():` around its "
+                          "build and compile")
+    log.info("model: %s was built outside any strategy, so it is rebuilt under this one from its config, weights "
+             "and compile arguments (its optimizer's state starts afresh); its trained weights are copied back at the "
+             "end", model.name)
+    return None, placement
+
+
+def strategy_of(model):
+    """The tf.distribute.Strategy whose scope the model was made in, None outside any: the one private read of Keras'
+    trainer (keras/src/backend/tensorflow/trainer.py sets it when a model is made; tests/test_keras_native.py checks it).
+    """
+    return model._distribute_strategy
+
+
+def _clonable(model) -> bool:
+    return isinstance(model, keras.Sequential) or getattr(model, "_is_graph_network", False)
+
+
+def _rebuilt(model):
+    """A copy of a Sequential or functional model, made in the current scope, with its weights."""
+    clone = keras.models.clone_model(model)
+    clone.set_weights(model.get_weights())
+    return clone
+
+
+def _kept_optimizer(optimizer, step):
+    """(the optimizer checkpoints hold, the one that applies updates) of a built model's own optimizer, kept as it is.
+
+    Its state carries over from fit to fit, as Keras' does; a loss-scale optimizer (compile's,
+    under mixed_float16) applies the updates itself.
+    """
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer, optimizer
+    return optimizer, _loss_scaled(optimizer, step)
 
 
 def _compiled_for_keras(model, compiled: Compiled, applied, placement):
@@ -242,7 +376,7 @@ def _compiled_for_keras(model, compiled: Compiled, applied, placement):
 
 def _log_batch(per_step: int, placement, step, train):
     """The batch line: the global batch, what each replica gets, and the examples of an update."""
-    replicas = placement.replicas_per_update
+    replicas = placement.replicas
     share = f"{per_step // replicas} per replica on {replicas} replicas" if replicas > 1 else "on one replica"
     if per_step % replicas:
         share = f"about {per_step / replicas:.1f} per replica on {replicas} replicas"
@@ -261,8 +395,11 @@ def _log_step_options(step):
         log.info("step: %s%s", step.precision, ", compiled with XLA" if step.jit_compile else "")
 
 
-def _optimizer(given, learning_rate: float):
-    """The optimizer to train with, made under the strategy's scope (Keras' optimizers must be)."""
+def _optimizer(given, learning_rate: float, used: bool = False):
+    """The optimizer to train with, made under the strategy's scope (Keras' optimizers must be).
+
+    used: `given` may have trained already (a rebuilt model's): a fresh one is made from its config.
+    """
     if given is None:
         return keras.optimizers.Adam(learning_rate)
     if isinstance(given, keras.optimizers.LossScaleOptimizer):
@@ -278,7 +415,7 @@ def _optimizer(given, learning_rate: float):
         if not isinstance(made, keras.optimizers.Optimizer):
             raise GpuparError(f"the optimizer function returned a {type(made).__name__}, not a "
                               "keras.optimizers.Optimizer")
-    elif given.built:
+    elif given.built and not used:
         raise GpuparError("the optimizer has been used already (it has variables); pass a new one: gpupar makes it "
                           "again under the strategy's scope from its config")
     else:
@@ -320,7 +457,7 @@ def _checked_objective(compiled: Compiled, model, train):
     objective = Objective(compiled.loss, compiled.metrics, y, y_pred, getattr(model, "output_names", None),
                           compiled.loss_weights, compiled.weighted_metrics, model_losses=bool(model.losses))
     all_labels = train.labels()
-    all_labels = y if all_labels is None else all_labels  # every label where they are in memory
+    all_labels = objective.labels(y if all_labels is None else all_labels)  # every label where they are in memory
     for term in objective.losses:
         if term.sparse:
             labels = np.asarray(all_labels if term.key is None else all_labels[term.key])

@@ -17,8 +17,7 @@ class Task:
     """One run's model, data and objective.
 
     Attributes:
-      build_model: build_model() -> keras.Model, called under the strategy's scope (twice for
-        model_parallel: gpupar.models.staged).
+      build_model: build_model() -> keras.Model, called under the strategy's scope.
       train: The training data's adapter.
       evaluation: The evaluation data's adapter, or None.
       loss: For a model that comes uncompiled: a Keras name, a keras.losses.Loss, a function, or
@@ -30,6 +29,9 @@ class Task:
       signature: The model and its shape-defining options for checkpoints; None: read off the built model.
       early_start: What among the arguments started TensorFlow before gpupar could set up its
         devices or cluster, and how to avoid it; "" when nothing did.
+      model: The model itself where gpupar.fit was given a built one (build_model returns it), else None.
+      seeded: Whether the run seeds Keras' random numbers (keras.utils.set_random_seed(seed)): the
+        presets do, gpupar.fit where its seed= is given; else the script's own seeding stands.
     """
 
     build_model: Callable
@@ -41,26 +43,26 @@ class Task:
     callbacks: Sequence = ()
     signature: Optional[dict] = None
     early_start: str = ""
+    model: Any = None
+    seeded: bool = True
 
 
-def user_task(model_fn, train, evaluation, loss, metrics, optimizer, callbacks, raw=()) -> Task:
+def user_task(model, train, evaluation, loss, metrics, optimizer, callbacks, raw=(), seeded=False) -> Task:
     """The Task of gpupar.fit's arguments (the data as adapters), with the checks that need no TensorFlow done now.
 
-    raw: what the user gave as data, to name what in it started TensorFlow early.
+    model: a built keras.Model, or a function that returns one. raw: what the user gave as data,
+    to name what in it started TensorFlow early.
 
     Raises:
-      GpuparError: a built model instead of a function, something that is not a callable, an
-        optimizer or callback of the wrong kind.
+      GpuparError: something that is neither a keras.Model nor a function, an optimizer or
+        callback of the wrong kind.
     """
     import keras
 
-    if isinstance(model_fn, keras.Model):
-        raise GpuparError("model_fn is a built keras.Model; pass a function that builds (and compiles) it, e.g. "
-                          "def model_fn(): model = make_model(); model.compile(...); return model: gpupar calls it under "
-                          "the strategy's scope, so that the strategy places its variables")
-    if not callable(model_fn):
-        raise GpuparError(f"model_fn is a {type(model_fn).__name__}; pass a function of no arguments that returns a "
-                          "keras.Model")
+    built = model if isinstance(model, keras.Model) else None
+    if built is None and not callable(model):
+        raise GpuparError(f"model is a {type(model).__name__}; pass a keras.Model (built, as for model.fit) or a "
+                          "function of no arguments that returns one")
     if optimizer is not None and not isinstance(optimizer, (str, keras.optimizers.Optimizer)) and not (
             callable(optimizer) and not isinstance(optimizer, type)):
         raise GpuparError(f"optimizer is a {type(optimizer).__name__}; pass a keras.optimizers.Optimizer, a function "
@@ -70,21 +72,23 @@ def user_task(model_fn, train, evaluation, loss, metrics, optimizer, callbacks, 
             raise GpuparError(f"callbacks holds a {type(callback).__name__}; give keras.callbacks.Callback objects")
 
     def build_model():
-        model = model_fn()
-        if not isinstance(model, keras.Model):
-            raise GpuparError(f"model_fn returned a {type(model).__name__}, not a keras.Model")
-        return model
+        made = built if built is not None else model()
+        if not isinstance(made, keras.Model):
+            raise GpuparError(f"model_fn returned a {type(made).__name__}, not a keras.Model")
+        return made
 
     return Task(build_model, train, evaluation, loss, metrics, optimizer, tuple(callbacks),
-                early_start=_early_start(optimizer, metrics, raw))
+                early_start=_early_start(built, optimizer, metrics, raw), model=built, seeded=seeded)
 
 
-def _early_start(optimizer, metrics, data) -> str:
-    """What among fit's arguments has started TensorFlow already (a Keras optimizer or metric, a dataset, a tensor)."""
+def _early_start(model, optimizer, metrics, data) -> str:
+    """What among fit's arguments has started TensorFlow already (a model, a Keras optimizer or metric, a dataset)."""
     import keras
 
-    fix = "call gpupar.configure_devices(...) with the device options first thing in the script, before it"
+    fix = "call gpupar.strategy(...) with the device options first thing in the script, before it"
     causes = []
+    if model is not None:
+        causes.append(f"the model, built before the call: {fix}, and build the model under its scope")
     if isinstance(optimizer, keras.optimizers.Optimizer):
         causes.append(f"the optimizer object, which Keras gave its variables when it was made: {fix}, or pass a "
                       f"function that makes it (optimizer=lambda: keras.optimizers.{type(optimizer).__name__}(...))")

@@ -27,8 +27,6 @@ class DataAdapter:
       own_batches: Whether the form's elements are batches of its own (a batched dataset, a
         PyDataset, a generator, a dataset_fn) rather than examples that gpupar batches.
       resume_note: What resuming mid-epoch does with this form; None where it replays exactly.
-      device_transform: device_transform(x, step), applied to each replica's inputs at the start
-        of the train step (the MNIST preset's augmentation), or None.
       description: How the log names the data (set by prepare).
     """
 
@@ -38,7 +36,6 @@ class DataAdapter:
     resume_note: Optional[str] = ("the data are not gpupar's arrays, so resuming mid-epoch skips the batches already "
                                   "trained: the same batches only if the data come in the same order on every run "
                                   "(e.g. a shuffle with a fixed seed)")
-    device_transform = None
 
     def __init__(self, data, role: str):
         self.data, self.role = data, role
@@ -86,6 +83,10 @@ class DataAdapter:
         batches_per_step: per-replica batches one input pipeline gives a step (a dataset_fn's).
         """
         raise NotImplementedError
+
+    def counted_steps(self, global_batch: int) -> Optional[int]:
+        """Whole steps in one pass of data of unknown length, counted by going over it once (None: it cannot be)."""
+        return None
 
     def batches(self, global_batch: int, first_step: int = 0, limit: Optional[int] = None):
         """Endless global batches from global step first_step (at most `limit` of them)."""

@@ -17,13 +17,9 @@ class ArrayAdapter(DataAdapter):
     inputs, a list or tuple of arrays several inputs (or outputs), and a Python list of numbers or
     strings one array. Each pass is a fresh permutation from (seed, pass) (shuffle=False keeps the
     order), so a run resumed mid-epoch trains on exactly the batches it would have seen.
-    `transform` maps each batch after it is drawn; `host_transform(example, pass, position)` each
-    example on the host (the MNIST preset's).
     """
 
     resume_note = None
-    transform = None
-    host_transform = None
 
     def __init__(self, x, y=None, sample_weight=None, class_weight=None, role: str = "x"):
         super().__init__(x, role)
@@ -45,12 +41,7 @@ class ArrayAdapter(DataAdapter):
         return is_array_like(data)
 
     def sample(self, count: int = 4):
-        if self.host_transform is not None:
-            examples = [self.host_transform(tf.nest.map_structure(lambda a: a[i], self.arrays), tf.constant(0, tf.int64),
-                                            tf.constant(i, tf.int64)) for i in range(count)]
-            return tf.nest.map_structure(lambda *parts: np.stack([np.asarray(p) for p in parts]), *examples)
         batch = tf.nest.map_structure(lambda a: a[:count], self.arrays)
-        batch = batch if self.transform is None else self.transform(*batch)
         return tf.nest.map_structure(lambda a: a if isinstance(a, tf.RaggedTensor) else np.asarray(a), batch)
 
     def labels(self):
@@ -62,14 +53,13 @@ class ArrayAdapter(DataAdapter):
     def batches(self, global_batch: int, first_step: int = 0, limit=None):
         options = self.options
         dataset = array_pipeline.train_dataset(
-            self.arrays, global_batch, self.seed, start_step=first_step, transform=self.transform,
-            host_transform=self.host_transform, num_parallel_calls=options.num_parallel_calls if options else None,
+            self.arrays, global_batch, self.seed, start_step=first_step, num_parallel_calls=options.num_parallel_calls if options else None,
             deterministic=options.deterministic if options else True, threads=options.data_threads if options else None,
             shuffle=options.shuffle if options else True)
         return self._as_keras_packs(dataset if limit is None else dataset.take(limit))
 
     def one_pass(self, global_batch: int):
-        return (self._as_keras_packs(array_pipeline.eval_dataset(self.arrays, global_batch, self.transform)),
+        return (self._as_keras_packs(array_pipeline.eval_dataset(self.arrays, global_batch)),
                 array_pipeline.test_steps(self.num_examples, global_batch))
 
     def _as_keras_packs(self, dataset):
@@ -145,10 +135,11 @@ def to_arrays(data):
 def class_weights(y, class_weight):
     """Each example's weight, class_weight[its class], as Keras' fit turns class_weight into sample weights.
 
-    The class of a label is the label (shape (N,) or (N, 1)), or its argmax for one-hot labels.
+    The class of a label is the label (shape (N,) or (N, 1)), or its argmax for one-hot labels; a
+    class the dict does not name weighs 1.0, as in Keras.
 
     Raises:
-      GpuparError: no labels, several outputs, or a class the dict does not weigh.
+      GpuparError: no labels, or several outputs.
     """
     if y is None:
         raise GpuparError("class_weight weighs the examples by their labels' classes, and there is no y")
@@ -160,11 +151,7 @@ def class_weights(y, class_weight):
     labels = np.asarray(y)
     classes = np.argmax(labels, axis=-1) if labels.ndim > 1 and labels.shape[-1] > 1 else np.round(
         labels.reshape(len(labels))).astype(np.int64)
-    missing = sorted(set(classes.tolist()) - set(class_weight))
-    if missing:
-        raise GpuparError(f"class_weight has no weight for class {missing[0]}, which the labels hold; give one for "
-                          "every class")
-    return np.array([class_weight[c] for c in classes.tolist()], np.float32)
+    return np.array([class_weight.get(c, 1.0) for c in classes.tolist()], np.float32)
 
 
 def checked_arrays(data, what: str):

@@ -59,6 +59,12 @@ class DatasetAdapter(DataAdapter):
         return whole_steps(self.num_examples if self.own_batches else math.ceil(self.num_examples / global_batch),
                            self.description, global_batch)
 
+    def counted_steps(self, global_batch: int):
+        """As Keras' fit learns the length of such a dataset in its first epoch, one pass over it, counted here."""
+        self.num_examples = counted(self.data, "every pass")
+        self.description = self._describe(self.num_examples)
+        return self.steps_per_epoch(global_batch)
+
     def batches(self, global_batch: int, first_step: int = 0, limit=None):
         dataset = self.data if self.own_batches else self.data.batch(global_batch)
         dataset = dataset.repeat().skip(first_step).prefetch(tf.data.AUTOTUNE).with_options(array_pipeline.options())
@@ -83,7 +89,8 @@ def batched(dataset) -> bool:
 
 
 def counted(dataset, role: str):
-    """The dataset's length: its elements, INFINITE, or None (unknown, for training); an evaluation set is counted.
+    """The dataset's length: its elements, INFINITE, or None (unknown, for training, where steps_per_epoch may make
+    counting needless); any other is counted.
 
     Raises:
       GpuparError: an empty dataset.
@@ -103,10 +110,11 @@ def counted(dataset, role: str):
 def weighted_by_class(class_weight):
     """A map of (x, y[, sample_weight]) elements to (x, y, class_weight[class of y] [* sample_weight]), as Keras' fit.
 
-    The class of a label is the label (shape (N,) or (N, 1)), or its argmax for one-hot labels.
+    The class of a label is the label (shape (N,) or (N, 1)), or its argmax for one-hot labels; a
+    class the dict does not name weighs 1.0, as in Keras.
     """
     classes = max(class_weight) + 1
-    table = tf.constant([float(class_weight.get(c, 0.0)) for c in range(classes)], tf.float32)
+    table = tf.constant([float(class_weight.get(c, 1.0)) for c in range(classes)], tf.float32)
 
     def weigh(*element):
         if len(element) < 2:
@@ -117,7 +125,7 @@ def weighted_by_class(class_weight):
                               "sample weights per output instead")
         label = tf.argmax(y, axis=-1) if y.shape.rank > 1 and y.shape[-1] > 1 else tf.reshape(
             tf.cast(tf.round(tf.cast(y, tf.float32)), tf.int64), [-1] if y.shape.rank else [])
-        weight = tf.gather(table, label)
+        weight = tf.where(label < classes, tf.gather(table, tf.minimum(label, classes - 1)), 1.0)
         return (x, y, weight if len(element) == 2 else weight * tf.cast(element[2], tf.float32))
 
     return weigh

@@ -1,53 +1,79 @@
-"""What a mode is: its refusals, its placement, how it builds the model, and its builder of the Engine.
+"""What a mode is: its declaration (names, options, capabilities) and the parts of a run it builds.
 
 A mode is one way of training (synchronous data parallelism, model-parallel stages, parameter
-servers), one module each beside this one, registered in gpupar.training.modes.
+servers), one module each beside this one, registered in gpupar.training.modes. Everything
+outside modes/ asks the chosen mode's declared capabilities; none compares mode names.
 """
 
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
-import tensorflow as tf
-
-from gpupar.errors import GpuparError
-from gpupar.training.engine import Engine, Placement, Prepared
-from gpupar.training.inner_loop import Results, unpack
+from gpupar.training.inner_loop import unpack
+from gpupar.training.steps.compiled import CompiledStep
+from gpupar.training.steps.step import LocalCalls, evaluation, no_evaluation
+from gpupar.training.trainer import Placement
 
 
 class Mode:
-    """One way of training. The registry asks `selected`; the run asks the rest in order.
+    """One way of training, made for one run with its own part of the Config (Distribution).
 
-    Attributes:
-      name: The mode's name ("synchronous", "model_parallel", "parameter_server"): a strategy name where one names it.
-      takes_own_step: Whether the mode runs a model's own train_step; the others refuse such a model.
+    Declared by each mode's class, read before TensorFlow starts:
+      name: The mode's name, as logs and errors give it.
+      strategies: The `strategy` values that select it (selected() may take a cluster's word too).
+      options: {Distribution field: what it does} of the fields that are this mode's own; any
+        other mode refuses them when they are given.
+      takes_own_step: Runs a model's own train_step.
+      takes_built_model: Trains a model built before the call (gpupar.fit(model, ...)), rather than
+        only one it builds itself from a function.
+      takes_step_options: Runs the step options (accumulate_steps, precision, nan_policy, jit_compile).
+      refused_loop_options: LoopOptions fields it cannot run, and why (one phrase).
+      replicas_step_together: Its replicas apply one update together, so batch-norm statistics can
+        be synchronised over them and input transforms run alike on each.
+      batch_norm: How batch norm normalises where replicas do not step together (for errors).
+      diagnosable: gpupar diagnose can time its step alone, its pipeline alone and both together.
+      steps_per_call: Train steps per call where the options give none; None: the loop options' rule.
     """
 
     name = ""
-    takes_own_step = False  # whether it runs a model's own train_step (gpupar.training.own_step)
+    strategies: Tuple[str, ...] = ()
+    options: Dict[str, str] = {}
+    takes_own_step = False
+    takes_built_model = True
+    takes_step_options = False
+    refused_loop_options: Dict[str, str] = {}
+    replicas_step_together = False
+    batch_norm = ""
+    diagnosable = False
+    steps_per_call = None
 
-    def selected(self, distribution, cluster) -> bool:
+    def __init__(self, distribution):
+        self.distribution = distribution
+
+    @classmethod
+    def selected(cls, distribution, cluster) -> bool:
         """Whether the Distribution options (and the cluster, or None) ask for this mode."""
-        raise NotImplementedError
+        return distribution.strategy in cls.strategies
 
-    def refuse_elsewhere(self, distribution):
-        """Refuses this mode's own options when another mode runs (checked before TensorFlow starts)."""
+    def refuse(self, input_options):
+        """Refuses the input options this mode cannot run (checked before TensorFlow starts)."""
 
-    def refuse(self, config):
-        """Refuses the Config options this mode cannot run (checked before TensorFlow starts)."""
-
-    def refuse_task(self, task, config):
+    def refuse_task(self, task):
         """Refuses the input forms this mode cannot take (before TensorFlow starts or a cluster is joined)."""
 
     def serves(self, cluster) -> bool:
         """Whether this process only serves the others (a parameter server or worker task)."""
         return False
 
-    def serve(self, config, cluster):
+    def serve(self, device_setup, cluster):
         """Serves until the process is stopped (serves() tasks only)."""
         raise NotImplementedError
 
-    def place(self, config, cluster) -> Placement:
+    def place(self, device_setup, cluster) -> Placement:
         """Makes the strategy (or plans the stages): where replicas and variables go. Starts TensorFlow."""
         raise NotImplementedError
+
+    def jit_refusal(self, placement: Placement):
+        """Why XLA cannot compile a replica's step on this placement (said in the log), or None where it can."""
+        return None
 
     def build_model(self, build, placement: Placement, sample):
         """The task's model, built under the placement's scope; `sample` is one batch, for a subclassed model."""
@@ -62,53 +88,21 @@ class Mode:
         """(the variables the optimizer updates, one log line per variable split over several devices)."""
         return model.trainable_variables, []
 
-    def build(self, prepared: Prepared) -> Engine:
-        """The complete Engine of this mode: its step, its input and its evaluation."""
+    def step(self, model, objective, optimizer, update_optimizer, variables, step_options, placement):
+        """The Step that trains a compiled model's objective in this mode."""
+        return CompiledStep(model, objective, optimizer, update_optimizer, variables)
+
+    def calls(self, step, placement):
+        """What runs calls of the step's train steps (LocalCalls, or a scheduler of the workers)."""
+        return LocalCalls(step, placement.strategy)
+
+    def make_input(self, train, placement: Placement, global_batch: int):
+        """make_input(first_step, limit=None) -> the training input of this mode from a global step."""
         raise NotImplementedError
 
-
-def refuse_own_step(config, strategy_name: str, pipelined: bool = False):
-    """Refuses the step options of gpupar's synchronous step in a mode whose step is its own."""
-    step = config.step
-    if step.accumulate_steps != 1:
-        raise GpuparError(f"accumulate_steps={step.accumulate_steps} adds up gradients in a synchronous step; "
-                          f"strategy={strategy_name} has steps of its own"
-                          + (" (it pipelines micro-batches with microbatches=N)" if pipelined else "")
-                          + "; use accumulate_steps=1")
-    if step.precision != "float32" or step.jit_compile:
-        raise GpuparError(f"precision and jit_compile are not available with strategy={strategy_name} (its step is its "
-                          "own); use precision=float32 and no jit_compile")
-    if step.nan_policy != "stop":
-        raise GpuparError(f"nan_policy=skip drops a step on every replica at once; strategy={strategy_name} has no "
-                          "such step (use nan_policy=stop)")
-
-
-def timed_calls(train, loss_scale=None):
-    """run_steps for a train function of steps_in_one_call(timed=True): one call, its Results on the host.
-
-    loss_scale: nan_policy=skip's loss scale, put back to 1 after every call (each skipped step halved it).
-    """
-    def run_steps(iterator, num_steps, first_call):
-        (loss, kept, examples, states), waited, busy = train(iterator, tf.constant(num_steps), tf.constant(first_call))
-        if loss_scale is not None:
-            loss_scale.assign(1.0)
-        return Results(num_steps, float(loss), float(kept), float(examples), [s.numpy() for s in states],
-                       float(waited), float(busy))
-
-    return run_steps
-
-
-def own_step_calls(train, first_step_check):
-    """run_steps for a model's own train_step (gpupar.training.own_step): one call, its rows and last logs on the host.
-
-    The first call is checked to have updated something (own_step.FirstStepCheck).
-    """
-    def run_steps(iterator, num_steps, first_call):
-        first_step_check.before()
-        (rows, logs), waited, busy = train(iterator, tf.constant(num_steps), tf.constant(first_call))
-        first_step_check.after()
-        rows = float(rows)
-        return Results(num_steps, 0.0, rows, rows, [], float(waited), float(busy),
-                       step_logs={name: float(value) for name, value in logs.items()})
-
-    return run_steps
+    def evaluation(self, step, data, placement: Placement, eval_batch: int, validation_steps):
+        """evaluation() -> the logs of the evaluation data (an adapter, or None) under this mode."""
+        if data is None:
+            return no_evaluation
+        dataset, steps = data.evaluation(eval_batch, validation_steps)
+        return evaluation(step, None, iter(dataset), steps)

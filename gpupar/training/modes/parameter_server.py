@@ -18,23 +18,21 @@ together they see every batch once per pass; a dataset_fn gives each worker its 
 """
 
 import collections
+import dataclasses
 import logging
 import re
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from gpupar.errors import GpuparError
 from gpupar.runtime.cluster import Cluster
 from gpupar.runtime.devices import configure_devices
 from gpupar.runtime.network import warn_if_reachable
-from gpupar.runtime.strategy import SHARD_BYTES, build_strategy, detected_plan, max_shards, plan_strategy
-from gpupar.training.engine import Placement, no_evaluation
-from gpupar.training.inner_loop import Results, steps_in_one_call, unpack, weighed
-from gpupar.training.objective import len_rows
-from gpupar.training.modes.mode import Mode, refuse_own_step
-from gpupar.training.step import make_evaluate_function, make_evaluation
+from gpupar.runtime.strategy import SHARD_BYTES, detected_plan, max_shards, plan_strategy, shared_strategy
+from gpupar.training.inner_loop import Results, steps_in_one_call
+from gpupar.training.modes.mode import Mode
+from gpupar.training.trainer import Placement
 
 log = logging.getLogger("gpupar")
 IN_FLIGHT_PER_WORKER = 2  # scheduled calls not yet fetched, per worker: enough to keep each busy
@@ -72,12 +70,11 @@ def _server_config(settings: dict):
     return config
 
 
-def serve(config, cluster: Cluster):
+def serve(distribution, device_setup, cluster: Cluster):
     """Runs this task's tf.distribute.Server until the process is stopped (it never returns)."""
-    distribution = config.distribution
     plan = plan_strategy(distribution.strategy, [], ["/cpu:0"], cross_device_ops=distribution.cross_device_ops,
                          cluster=cluster)
-    devices = configure_devices(config.device_setup)
+    devices = configure_devices(device_setup)
     settings = server_settings(cluster.task_type, devices)
     log.info("%s serving on %s until stopped, in %s; GPUs: %s", cluster.task_name,
              cluster.jobs[cluster.task_type][cluster.task_index], plan.describe(),
@@ -142,33 +139,18 @@ def _sharded_class(keras_class):
     return ShardedKerasVariable
 
 
-def make_worker_step(strategy, model, optimizer, objective, variables):
-    """Returns train(iterator, num_steps) -> (loss sum, metric states, worker index), run on one worker.
+def worker_function(step, strategy):
+    """train(iterator, num_steps) -> (the step's totals, worker index): num_steps of the step's train steps on one worker.
 
-    Each step is the worker's own: the loss of its batch (as the objective's reduction says)
-    plus the regularisation losses, differentiated with respect to `variables`
-    (update_variables) and applied at once, without waiting for the other workers.
+    Each step is the worker's own: the loss of its batch, differentiated with respect to the
+    variables the step updates (update_variables) and applied at once, without waiting for the
+    other workers.
     """
-
-    def replica_step(batch):
-        x, y, sample_weight = unpack(batch)
-        with tf.GradientTape() as tape:
-            y_pred = tf.nest.map_structure(lambda t: tf.cast(t, tf.float32), model(x, training=True))
-            numerators, denominators = objective.terms(y, y_pred, sample_weight)
-            loss = tf.reduce_sum(tf.math.divide_no_nan(numerators, denominators))  # one replica: its batch is the batch
-            if model.losses:
-                loss += tf.add_n(model.losses)
-        grads = tape.gradient(loss, [v.value for v in variables])
-        optimizer.apply(grads, variables)  # on the ps tasks, without waiting for others
-        return (*weighed(loss, len_rows(x)), objective.metric_states(y, y_pred, sample_weight))
-
-    steps = steps_in_one_call(lambda batch: strategy.run(replica_step, args=(batch,)),
-                              (0.0, 0.0, 0.0, objective.zero_states()))
+    steps = steps_in_one_call(lambda batch: strategy.run(step.train, args=(batch,)), step.train_zeros())
 
     @tf.function
     def train(iterator, num_steps):
-        sums = steps(iterator, num_steps)
-        return sums, tf.distribute.coordinator.experimental_get_current_worker_index()
+        return steps(iterator, num_steps), tf.distribute.coordinator.experimental_get_current_worker_index()
 
     return train
 
@@ -181,18 +163,18 @@ class Scheduler:
     every call still in flight.
     """
 
-    def __init__(self, coordinator, train, num_workers: int):
-        self.coordinator, self.train = coordinator, train
+    def __init__(self, coordinator, step, strategy, num_workers: int):
+        self.coordinator, self.step, self.train = coordinator, step, worker_function(step, strategy)
         self.max_in_flight = IN_FLIGHT_PER_WORKER * num_workers
         self.pending = collections.deque()
 
     def _collect(self) -> Results:
         num_steps, remote = self.pending.popleft()
-        (loss, kept, examples, states), worker = _fetch(self.coordinator, remote)
-        return Results(num_steps, float(loss), float(kept), float(examples), [np.asarray(s) for s in states],
-                       by_worker={int(worker): num_steps})
+        totals, worker = _fetch(self.coordinator, remote)
+        results = self.step.results(num_steps, totals, None, None)
+        return dataclasses.replace(results, by_worker={int(worker): num_steps})
 
-    def schedule(self, iterator, num_steps: int) -> Results:
+    def run(self, iterator, num_steps: int, first_call: bool = False) -> Results:
         """Schedules one call of num_steps steps; returns the results of the calls that finished meanwhile."""
         done = Results()
         while len(self.pending) >= self.max_in_flight:  # bounded: wait for the oldest before scheduling more
@@ -234,23 +216,18 @@ class ParameterServer(Mode):
     """strategy=parameter_server (or auto in a cluster with ps tasks): workers that update on their own."""
 
     name = "parameter_server"
+    strategies = ("parameter_server",)
+    options = {"ps_shards": "splits variables over the ps tasks of"}
+    refused_loop_options = {"profile_steps": "it saves after each epoch and on a signal",
+                            "checkpoint_every_steps": "it saves after each epoch and on a signal"}
+    batch_norm = "updates asynchronously"
+    steps_per_call = 1  # unless told otherwise, a call per step: an epoch spreads evenly over the workers
 
-    def selected(self, distribution, cluster) -> bool:
-        return distribution.strategy == "parameter_server" or (cluster is not None and bool(cluster.num_ps))
+    @classmethod
+    def selected(cls, distribution, cluster) -> bool:
+        return distribution.strategy in cls.strategies or (cluster is not None and bool(cluster.num_ps))
 
-    def refuse_elsewhere(self, distribution):
-        if distribution.ps_shards is not None:
-            raise GpuparError(f"ps_shards={distribution.ps_shards} splits variables over the ps tasks of "
-                              "strategy=parameter_server; drop it, or train with parameter servers")
-
-    def refuse(self, config):
-        refuse_own_step(config, "parameter_server")
-        for option in ("profile_steps", "checkpoint_every_steps"):
-            if getattr(config.loop, option) is not None:
-                raise GpuparError(f"{option} is not available with strategy=parameter_server (it saves after each "
-                                  "epoch and on a signal); drop it")
-
-    def refuse_task(self, task, config):
+    def refuse_task(self, task):
         if not task.train.per_worker:
             raise GpuparError(f"strategy=parameter_server needs x as a dataset_fn(input_context), not "
                               f"{task.train.form}: each worker makes its own input pipeline with it (arrays or a "
@@ -259,49 +236,45 @@ class ParameterServer(Mode):
     def serves(self, cluster) -> bool:
         return cluster is not None and cluster.task_type != "chief"
 
-    def serve(self, config, cluster):
-        serve(config, cluster)
+    def serve(self, device_setup, cluster):
+        serve(self.distribution, device_setup, cluster)
 
-    def place(self, config, cluster) -> Placement:
-        distribution = config.distribution
+    def place(self, device_setup, cluster) -> Placement:
+        distribution = self.distribution
         plan = detected_plan(distribution.strategy, distribution.devices, distribution.cross_device_ops,
                              cluster=cluster)
-        strategy = build_strategy(plan, distribution.ps_shards)
+        strategy = shared_strategy(plan, distribution.ps_shards)
         shards = max_shards(plan.cluster.num_ps, distribution.ps_shards)
         log.info("variables: on %d ps task(s); %s", plan.cluster.num_ps,
                  f"those of {SHARD_BYTES // 1024} KiB or more split into up to {shards} shards" if shards > 1
                  else "each one whole")
-        # Each step trains one worker's batch, on its own.
-        return Placement(plan.describe(), strategy, plan.num_replicas, 1, plan.devices, plan=plan)
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        # Each step trains one worker's batch, on its own: one replica per update.
+        return Placement(plan.describe(), strategy, 1, plan.devices, workers=plan.num_replicas, plan=plan)
 
     def updated_variables(self, model):
         return update_variables(model)
 
-    def build(self, prepared):
-        """The chief schedules steps onto the workers, which update the variables on the ps tasks; it evaluates."""
-        placement, model, objective = prepared.placement, prepared.model, prepared.objective
-        strategy, num_workers, global_batch = placement.strategy, placement.replicas, prepared.global_batch
-        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-        scheduler = Scheduler(coordinator, make_worker_step(strategy, model, prepared.update_optimizer, objective,
-                                                            prepared.updated_variables), num_workers)
+    def calls(self, step, placement):
+        return Scheduler(self.coordinator, step, placement.strategy, placement.workers)
 
-        def make_input(first_step, limit=None):
-            if prepared.train.per_replica_batches and first_step:
+    def make_input(self, train, placement, global_batch):
+        strategy, workers = placement.strategy, placement.workers
+
+        def make(first_step, limit=None):
+            if train.per_replica_batches and first_step:
                 log.info("resume: each worker's pipeline skips %d batches, its share of the %d steps already trained "
-                         "(which worker trained which is not recorded)", first_step // num_workers, first_step)
+                         "(which worker trained which is not recorded)", first_step // workers, first_step)
 
             def worker_dataset(context):
-                return prepared.train.worker_batches(context, global_batch, first_step, limit, num_workers)
+                return train.worker_batches(context, global_batch, first_step, limit, workers)
 
-            return iter(coordinator.create_per_worker_dataset(
+            return iter(self.coordinator.create_per_worker_dataset(
                 tf.function(lambda: strategy.distribute_datasets_from_function(worker_dataset))))
 
-        evaluate = no_evaluation
-        if prepared.evaluation is not None:
+        return make
+
+    def evaluation(self, step, data, placement, eval_batch, validation_steps):
+        if data is not None:
             log.info("evaluation: on the chief, reading the variables from the ps tasks")
-            dataset, steps = prepared.evaluation.evaluation(prepared.eval_batch, prepared.input.validation_steps)
-            evaluate = make_evaluation(make_evaluate_function(None, model, objective), iter(dataset),
-                                       steps, objective, model)
-        # Unless told otherwise, a call per step: an epoch spreads evenly over the workers.
-        return prepared.engine(make_input, lambda iterator, num_steps, first_call: scheduler.schedule(iterator, num_steps),
-                               evaluate, finish=scheduler.finish, steps_per_call=prepared.loop.steps_per_call or 1)
+        return super().evaluation(step, data, placement, eval_batch, validation_steps)

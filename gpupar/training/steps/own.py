@@ -21,7 +21,9 @@ import tensorflow as tf
 
 from gpupar.errors import GpuparError
 from gpupar.models.layers import replica_seeds
-from gpupar.training.inner_loop import SUM, steps_in_one_call
+from gpupar.training.inner_loop import SUM, Results
+from gpupar.training.objective import summed_over_replicas
+from gpupar.training.steps.step import Step
 
 MEAN = tf.distribute.ReduceOp.MEAN
 _KERAS_MODEL = keras.Model
@@ -68,10 +70,7 @@ def global_mean(values, sample_weight=None):
     weights = tf.ones_like(values) if sample_weight is None else tf.broadcast_to(
         tf.cast(sample_weight, tf.float32), tf.shape(values))
     total, count = tf.reduce_sum(values * weights), tf.reduce_sum(weights)
-    context = tf.distribute.get_replica_context()
-    if context is not None and context.num_replicas_in_sync > 1:
-        count = context.all_reduce(SUM, count)
-    return tf.math.divide_no_nan(total, count)
+    return tf.math.divide_no_nan(total, summed_over_replicas(count))
 
 
 def _rows(batch):
@@ -109,18 +108,83 @@ def _flat_logs(logs):
             yield name, value
 
 
-def _replica_step(model, step_name, jit_compile=False):
-    """batch -> (rows, logs) on one replica: the model's own step with replica-apart random draws.
+def _step_logs(model, step_name, batch):
+    """The model's train_step or test_step on this replica's batch, with replica-apart random draws; its checked logs.
 
-    Not converted by AutoGraph, as model.fit does not convert a train_step: Python control flow in
-    it runs once, when it is traced, as under model.fit.
+    Not converted by AutoGraph (the callers are not), as model.fit does not convert a train_step:
+    Python control flow in it runs once, when it is traced.
     """
+    with replica_seeds():
+        logs = getattr(model, step_name)(batch)
+    return _checked_logs(model, logs, step_name)
+
+
+class OwnStep(Step):
+    """The model's own train_step and test_step, on each replica: rows summed, the last step's logs averaged.
+
+    Its metrics live in the model: reset when an epoch begins and before each evaluation, as
+    model.fit does, and checkpointed, so that an epoch resumed mid-way reports the whole epoch.
+
+    Attributes:
+      names: The names of the logs train_step returns, in order (probe).
+      eval_names: The names of the logs test_step returns ([] without evaluation data).
+    """
+
+    def __init__(self, model, names, eval_names=(), jit_compile: bool = False):
+        self.model, self.names, self.eval_names, self.jit_compile = model, list(names), list(eval_names), jit_compile
+        self.optimizer = model.optimizer
+        self.first_step_check = FirstStepCheck(model)
+
+    def train_zeros(self):
+        return 0.0, {name: 0.0 for name in self.names}
+
     @tf.autograph.experimental.do_not_convert
-    def step(batch):
-        with replica_seeds():
-            logs = getattr(model, step_name)(batch)
-        return _rows(batch), _checked_logs(model, logs, step_name)
-    return tf.function(step, jit_compile=True) if jit_compile else step
+    def train(self, batch):
+        return _rows(batch), _step_logs(self.model, "train_step", batch)
+
+    def eval_zeros(self):
+        return 0.0, {name: 0.0 for name in self.eval_names}
+
+    @tf.autograph.experimental.do_not_convert
+    def evaluate(self, batch):
+        return _rows(batch), _step_logs(self.model, "test_step", batch)
+
+    def combine(self, totals, values):
+        return totals[0] + values[0], values[1]  # the rows add up; the logs are the last step's
+
+    def reductions(self, zeros):
+        return SUM, {name: MEAN for name in zeros[1]}  # as model.fit reduces a step's logs over replicas
+
+    def results(self, num_steps, totals, waited, busy) -> Results:
+        rows, logs = totals
+        rows = float(rows)
+        return Results(num_steps, 0.0, rows, rows, [], waited, busy,
+                       step_logs={name: float(value) for name, value in logs.items()})
+
+    def logs(self, totals) -> dict:
+        return {f"val_{name}": float(value) for name, value in totals[1].items()}
+
+    def state(self) -> dict:
+        return {"step_state": list(self.model.metrics_variables)}
+
+    def begin_epoch(self):
+        self.model.reset_metrics()
+
+    def begin_evaluation(self):
+        self.model.reset_metrics()
+
+    def before_call(self):
+        self.first_step_check.before()
+
+    def after_call(self):
+        self.first_step_check.after()
+
+
+def own_step(strategy, model, element_spec, eval_spec=None, jit_compile: bool = False) -> OwnStep:
+    """The OwnStep of a model, its train_step (and test_step, where eval_spec is given) traced once first (probe)."""
+    names = probe(strategy, model, element_spec, "train_step")
+    eval_names = probe(strategy, model, eval_spec, "test_step") if eval_spec is not None else []
+    return OwnStep(model, names, eval_names, jit_compile)
 
 
 def probe(strategy, model, element_spec, step_name="train_step") -> list:
@@ -133,12 +197,10 @@ def probe(strategy, model, element_spec, step_name="train_step") -> list:
     Raises:
       GpuparError: the step returns something other than a dict of scalars.
     """
-    step = _replica_step(model, step_name)
     with _built_outside_the_step(optimizers_of(model), strategy):
-        traced = tf.function(lambda batch: strategy.run(step, args=(batch,)), autograph=False).get_concrete_function(
-            element_spec)
-    _, logs = traced.structured_outputs
-    return list(logs)
+        traced = tf.function(lambda batch: strategy.run(lambda share: _step_logs(model, step_name, share), args=(batch,)),
+                             autograph=False).get_concrete_function(element_spec)
+    return list(traced.structured_outputs)
 
 
 @contextlib.contextmanager
@@ -164,37 +226,6 @@ def _built_outside_the_step(optimizers, strategy):
     finally:
         for optimizer in patched:
             del optimizer.__dict__["build"]
-
-
-def make_own_train_function(strategy, model, names, jit_compile=False, parallel_iterations=1):
-    """Returns train(iterator, num_steps, skip_first_wait) -> ((rows, logs), input wait s, step s).
-
-    Runs the model's train_step on every replica, num_steps steps in one tf.function call: rows
-    summed over replicas and steps, the logs the last step returned, averaged over the replicas
-    as model.fit reduces them.
-    """
-    zeros = (0.0, {name: 0.0 for name in names})
-    return steps_in_one_call(_replica_step(model, "train_step", jit_compile), zeros, timed=True, strategy=strategy,
-                             parallel_iterations=parallel_iterations, combine=_rows_summed_logs_last,
-                             reductions=(SUM, {name: MEAN for name in names}))
-
-
-def _rows_summed_logs_last(totals, values):
-    return totals[0] + values[0], values[1]
-
-
-def make_own_evaluation(strategy, model, iterator, num_steps: int, names):
-    """Returns evaluation() -> {"val_<name>": ...}: the model's test_step over num_steps batches, its metrics reset first."""
-    zeros = (0.0, {name: 0.0 for name in names})
-    evaluate = steps_in_one_call(_replica_step(model, "test_step"), zeros, strategy=strategy,
-                                 combine=_rows_summed_logs_last, reductions=(SUM, {name: MEAN for name in names}))
-
-    def evaluation():
-        model.reset_metrics()
-        _, logs = evaluate(iterator, tf.constant(num_steps))
-        return {f"val_{name}": float(value) for name, value in logs.items()}
-
-    return evaluation
 
 
 def optimizers_of(model) -> list:
