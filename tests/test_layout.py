@@ -1,4 +1,5 @@
-"""The package's shape: imports point one way, nothing imports the benchmarks, the installed package holds none."""
+"""The package's shape: imports point one way between packages and inside each, nothing imports the benchmarks, the
+installed package holds none."""
 
 import ast
 import os
@@ -33,8 +34,10 @@ def _imports(path, module, modules):
             base = node.module or ""
             if node.level:
                 base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in modules)
+            submodules = {f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in modules}
+            names.update(submodules)
+            if len(submodules) < len(node.names):  # a name of the package itself, not only its modules
+                names.add(base)
     return {name for name in names if name}
 
 
@@ -80,55 +83,78 @@ def test_the_walk_finds_a_circle_when_there_is_one():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
 
 
-# The layers, lowest first: a module may import from its own layer and those below it, never from above.
-LAYERS = ["gpupar.errors", "gpupar.config", "gpupar.runtime", "gpupar.data", "gpupar.models", "gpupar.monitor",
-          "gpupar.training", "gpupar.presets", "gpupar.commands", "gpupar", "gpupar.cli", "gpupar.__main__"]
-# Inside training, the steps' chain: step <- engine <- modes <- setup <- loop <- run.
-TRAINING = ["gpupar.training.objective", "gpupar.training.inner_loop", "gpupar.training.step", "gpupar.training.own_step",
-            "gpupar.training.engine",
-            "gpupar.training.modes", "gpupar.training.setup", "gpupar.training.observers", "gpupar.training.loop",
-            "gpupar.training.run"]
+# Every package's modules, lowest first: a module may import from its own rank and those below it,
+# never from above; a package's own __init__ ranks above all of its modules (it may gather them).
+ORDER = {
+    "gpupar": ["errors", "config", "runtime", "data", "models", "monitor", "training", "presets", "commands",
+               "__init__", "cli", "__main__"],
+    "gpupar.runtime": ["startup", "teardown", "nvml", "network", "cluster", "devices", "strategy", "stages", "launch"],
+    "gpupar.data": ["idx", "tfds", "augment", "array_pipeline", "mnist_images", "adapters"],
+    "gpupar.data.adapters": ["adapter", "arrays", "python_batches", "dataset", "dataset_fn", "generator", "py_dataset",
+                             "tfds_name"],
+    "gpupar.models": ["layers", "convnet", "lstm", "staged", "export"],
+    "gpupar.monitor": ["bottleneck", "profiling", "utilisation"],
+    # The records and helpers first; then steps <- trainer <- modes <- setup <- loop <- run.
+    "gpupar.training": ["task", "result", "interrupt", "checkpoint", "outputs", "objective", "inner_loop", "steps",
+                        "trainer", "modes", "process", "setup", "multi_worker", "observers", "loop", "run"],
+    "gpupar.training.steps": ["step", "parts", "compiled", "own", "pipelined"],
+    "gpupar.training.modes": ["mode", "synchronous", "model_parallel", "parameter_server"],
+    "gpupar.presets": ["mnist_options", "mnist"],
+    "gpupar.commands": ["device_report", "device_check", "plot", "diagnose"],
+}
 
 
-def _rank(module, order):
-    """The index in `order` of the longest entry that is module or a package holding it, or None."""
-    found = [i for i, name in enumerate(order) if module == name or module.startswith(name + ".")]
-    return max(found, key=lambda i: len(order[i])) if found else None
+def _rank(module, package):
+    """The rank inside `package` of the module or subpackage holding `module` (the package itself: its "__init__"
+    entry, else above all)."""
+    if module == package:
+        order = ORDER[package]
+        return order.index("__init__") if "__init__" in order else len(order)
+    child = module[len(package) + 1:].split(".")[0]
+    return ORDER[package].index(child) if child in ORDER[package] else None
 
 
 def climbing_imports(graph):
-    """["a imports b", ...] for every import from a layer above the importer's (LAYERS, then TRAINING inside training)."""
+    """["a imports b", ...] for every import from a rank above the importer's, in the deepest package holding both."""
     climbs = []
     for module, imported in sorted(graph.items()):
         for other in sorted(imported):
-            for order in (LAYERS, TRAINING):
-                mine, theirs = _rank(module, order), _rank(other, order)
-                if mine is not None and theirs is not None and theirs > mine:
-                    climbs.append(f"{module} imports {other}")
+            shared = [p for p in ORDER if all(m == p or m.startswith(p + ".") for m in (module, other))]
+            package = max(shared, key=len)
+            mine, theirs = _rank(module, package), _rank(other, package)
+            if mine is not None and theirs is not None and theirs > mine:
+                climbs.append(f"{module} imports {other}")
     return climbs
 
 
-def test_every_module_has_a_layer():
+def test_every_module_has_a_rank_in_its_package():
     graph, _ = _graph()
-    assert [m for m in graph if _rank(m, LAYERS) is None] == []
-    assert {m for m in graph if m.startswith("gpupar.training.") and _rank(m, TRAINING) is None} == {
-        "gpupar.training.checkpoint", "gpupar.training.interrupt", "gpupar.training.multi_worker",
-        "gpupar.training.outputs", "gpupar.training.result", "gpupar.training.task"}  # helpers of the loop and the run
+    unranked = []
+    for module in graph:
+        package = module.rpartition(".")[0] if module not in ORDER else module.rpartition(".")[0] or module
+        if module != "gpupar" and package in ORDER and _rank(module, package) is None:
+            unranked.append(module)
+    assert unranked == []
+    assert set(ORDER) <= set(graph)  # every ordered package exists
 
 
-def test_no_module_imports_from_a_layer_above_its_own():
+def test_no_module_imports_from_a_rank_above_its_own():
     graph, _ = _graph()
     assert "gpupar.training.run" in graph["gpupar.cli"] or "gpupar.training.run" in graph["gpupar"]
     assert climbing_imports(graph) == []
 
 
-def test_the_layer_check_finds_an_import_that_climbs():
-    """Control: the graph of the package with one import added from the runtime up to the loop, and one inside training."""
+def test_the_rank_check_finds_an_import_that_climbs():
+    """Control: the package's graph with climbs added between layers and inside packages, subpackages included."""
     graph, _ = _graph()
-    graph["gpupar.runtime.strategy"] = graph["gpupar.runtime.strategy"] | {"gpupar.training.loop"}
-    graph["gpupar.training.step"] = graph["gpupar.training.step"] | {"gpupar.training.setup"}
-    assert climbing_imports(graph) == ["gpupar.runtime.strategy imports gpupar.training.loop",
-                                       "gpupar.training.step imports gpupar.training.setup"]
+    added = {"gpupar.runtime.strategy": "gpupar.training.loop", "gpupar.training.result": "gpupar.training.setup",
+             "gpupar.training.checkpoint": "gpupar.training.modes.parameter_server",
+             "gpupar.runtime.devices": "gpupar.runtime.launch",
+             "gpupar.training.steps.compiled": "gpupar.training.steps.own",
+             "gpupar.training.modes.mode": "gpupar.training.modes"}
+    for module, other in added.items():
+        graph[module] = graph[module] | {other}
+    assert climbing_imports(graph) == sorted(f"{m} imports {o}" for m, o in added.items())
 
 
 def test_no_two_modules_of_the_package_share_a_name():
@@ -151,5 +177,5 @@ def test_the_built_package_holds_no_benchmarks(tmp_path):
 
     (wheel,) = tmp_path.glob("gpupar-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "gpupar/training/engine.py" in names and "gpupar/runtime/strategy.py" in names
+    assert "gpupar/training/trainer.py" in names and "gpupar/runtime/strategy.py" in names
     assert not [n for n in names if n.startswith("benchmarks/") or "/bench" in n]

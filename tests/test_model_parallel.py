@@ -20,7 +20,8 @@ from gpupar.models.staged import build_on_stages, chain_layers
 from gpupar.runtime.stages import plan_stages, stage_of_layers
 from gpupar.training.objective import Objective
 from gpupar.presets.mnist import LOSS
-from gpupar.training.modes.model_parallel import Stages, make_train_function
+from gpupar.training.steps.pipelined import PipelineStep
+from gpupar.training.steps.step import train_function
 
 CPUS = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
 GPUS = [f"/gpu:{i}" for i in range(8)]
@@ -76,7 +77,7 @@ def test_bad_model_parallel_options_are_refused(options, message):
 
 
 def test_model_parallel_is_not_a_tf_distribute_strategy():
-    with pytest.raises(GpuparError, match="gpupar's own pipeline, not a tf.distribute strategy"):
+    with pytest.raises(GpuparError, match="strategy=model_parallel is gpupar's own mode, not a tf.distribute strategy"):
         gpupar.plan_strategy("model_parallel", [], CPUS)
 
 
@@ -181,11 +182,14 @@ USERS_ENDS = ("pool", "hidden")
 
 
 def _pipeline(build, ends, plan, microbatches):
-    """(the Stages of build()'s model split at ends over plan, its model)."""
-    model, stage_of = build_on_stages(build, ends, plan.variable_devices)
+    """(the PipelineStep of build()'s model split at ends over plan, with a built Adam; its model)."""
+    model = build_on_stages(build, ends, plan.variable_devices)
+    stage_of = stage_of_layers([layer.name for layer in chain_layers(model)], ends)
     images, labels = next(iter(_batches(2)))
     objective = Objective(LOSS, ["accuracy"], labels.numpy(), model(images).numpy())
-    return Stages(model, stage_of, plan, objective, microbatches), model
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    return PipelineStep(model, stage_of, plan, objective, optimizer, microbatches), model
 
 
 @pytest.mark.parametrize(
@@ -199,12 +203,10 @@ def test_every_op_of_stage_k_runs_on_device_k(build, ends, devices, microbatches
     stages = len(ends) + 1
     plan = plan_stages(devices, stages)
     pipeline, model = _pipeline(build, ends, plan, microbatches)
-    optimizer = keras.optimizers.Adam()
-    optimizer.build(model.trainable_variables)
     for k, layers in enumerate(pipeline.stages):
         assert {v.value.device for layer in layers for v in layer.weights} == {
             f"/job:localhost/replica:0/task:0/device:CPU:{plan.variable_devices[k][-1]}"}
-    train = make_train_function(pipeline, optimizer)
+    train = train_function(pipeline, None)
     nodes = _placed_nodes(train, iter(_batches(16)), tf.constant(1))
     seen, wrong = set(), []
     for name, op, device in nodes:
@@ -256,7 +258,7 @@ def _pipelined_gradients(pipeline, images, labels):
 
 
 def _pair(build, ends, plan, microbatches):
-    """The Stages of build()'s model split over plan's devices, and the same model unsplit, with the same weights."""
+    """The PipelineStep of build()'s model split over plan's devices, and the same model unsplit, with the same weights."""
     pipeline, split = _pipeline(build, ends, plan, microbatches)
     whole = build()
     whole.set_weights(split.get_weights())
@@ -423,3 +425,33 @@ def test_a_users_model_that_is_not_a_chain_or_a_dataset_fn_is_refused_with_stage
                    stages=("hidden",), virtual_cpus=2, epochs=1, steps_per_epoch=2, save=False)
     with pytest.raises(GpuparError, match=r"stages=hidden splits a model for strategy=model_parallel"):
         gpupar.fit(_chain, x, y, stages=("hidden",), batch_size=8, epochs=1, save=False)
+
+
+def _small_chain():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh", name="hidden"),
+                              keras.layers.Dense(3, name="out")])
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_model_parallel_builds_the_model_once_from_the_seed_one_device_builds_it_from():
+    """The same seed gives the same initial weights, and the same training, split into stages or not."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 6)).astype("float32"), rng.integers(0, 3, 64)
+    runs = {}
+    for strategy, options in (("one_device", {}), ("model_parallel", dict(stages=("hidden",), virtual_cpus=2))):
+        calls = []
+
+        def model_fn():
+            calls.append(1)
+            return _small_chain()
+
+        start = gpupar.fit(model_fn, x, y, batch_size=16, epochs=0, strategy=strategy, save=False, verbose=0, seed=4,
+                           **options)
+        trained = gpupar.fit(_small_chain, x, y, batch_size=16, epochs=2, strategy=strategy, save=False, verbose=0,
+                             shuffle=False, seed=4, **options)
+        runs[strategy] = start.model.get_weights(), trained.history["loss"]
+        assert len(calls) == 1, strategy  # model_fn ran once
+    (one_start, one_loss), (split_start, split_loss) = runs["one_device"], runs["model_parallel"]
+    assert all(np.array_equal(a, b) for a, b in zip(one_start, split_start))
+    assert split_loss == pytest.approx(one_loss, rel=1e-5)
