@@ -1,9 +1,11 @@
-"""Real Keras programs that nobody here wrote (keras-io's examples, shrunk: tests/keras_io/), ported by the rule.
+"""Real Keras programs that nobody here wrote (keras-io's examples, shrunk: tests/keras_io/), ported two ways.
 
-The rule: the model's build and compile move into model_fn, and model.fit( becomes
-gpupar.fit(model_fn, ...; nothing else of the script changes. Each example runs once with
-Keras' own model.fit on one device and once through gpupar.fit on 2 replicas; both must train and
-log the same names, with finite numbers.
+By the two renames, as a script written to Keras' multi-GPU guide ports: the strategy's
+constructor becomes gpupar.strategy(...), its `with strategy.scope():` build stays, and
+model.fit( becomes gpupar.fit(model, ; nothing else changes. By the model_fn rule: the model's
+build and compile move into model_fn, and model.fit( becomes gpupar.fit(model_fn, . Each runs
+on 2 replicas beside Keras' own model.fit on one device; both must train and log the same names,
+with finite numbers.
 """
 
 import functools
@@ -37,6 +39,18 @@ def test_a_keras_io_example_ports_by_the_rule(name, tmp_path):
     assert len(ours.epoch) == len(theirs.epoch)
     for log_name, values in ours.history.items():
         assert np.all(np.isfinite(values)), (name, log_name)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in EXAMPLES])
+def test_a_keras_io_example_ports_by_two_renames(name, tmp_path):
+    example = importlib.import_module(f"keras_io.{name}")
+    keras.utils.set_random_seed(0)
+    strategy = gpupar.strategy("mirrored", virtual_cpus=2)  # was: tf.distribute.MirroredStrategy([cpu:0, cpu:1])
+    with strategy.scope():
+        model = example.model_fn()
+    result = example.train(functools.partial(gpupar.fit, model), str(tmp_path))  # was: model.fit
+    assert result.replicas == 2 and result.model is model
+    assert result.history and all(np.all(np.isfinite(values)) for values in result.history.values()), name
 
 
 def test_at_least_ten_examples_are_ported():
