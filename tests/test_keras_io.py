@@ -17,12 +17,25 @@ import pytest
 import gpupar
 import keras_io
 
-EXAMPLES = sorted(module.name for module in pkgutil.iter_modules(keras_io.__path__) if not module.name.startswith("_"))
+# The ports with model_fn + train (one model, one fit); the others offer only script(strategy, fit, workdir),
+# which tests/test_keras_io_scripts.py runs.
+EXAMPLES = sorted(module.name for module in pkgutil.iter_modules(keras_io.__path__)
+                  if not module.name.startswith("_") and hasattr(importlib.import_module(f"keras_io.{module.name}"), "model_fn"))
 SLOW = {"mobilenetv2_from_scratch", "image_classification_from_scratch",  # over 10 s each here
         "oxford_pets_image_segmentation", "bidirectional_lstm_imdb"}
+# gpupar.fit fails for these ports as they are (Keras' own fit on one device trains them); see tests/keras_io/README.md.
+GPUPAR_FAILS = {}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in EXAMPLES])
+def _param(name):
+    marks = [pytest.mark.slow] if name in SLOW else []
+    if name in GPUPAR_FAILS:
+        raises, reason = GPUPAR_FAILS[name]
+        marks.append(pytest.mark.xfail(strict=True, raises=raises, reason=reason))
+    return pytest.param(name, marks=marks)
+
+
+@pytest.mark.parametrize("name", [_param(n) for n in EXAMPLES])
 def test_a_keras_io_example_ports_by_the_rule(name, tmp_path):
     example = importlib.import_module(f"keras_io.{name}")
     for run in ("keras", "gpupar"):
