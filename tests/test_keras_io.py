@@ -25,6 +25,10 @@ SLOW = {"mobilenetv2_from_scratch", "image_classification_from_scratch",  # over
         "oxford_pets_image_segmentation", "bidirectional_lstm_imdb"}
 # gpupar.fit fails for these ports as they are (Keras' own fit on one device trains them); see tests/keras_io/README.md.
 GPUPAR_FAILS = {
+    "text_generation_with_miniature_gpt": (
+        gpupar.GpuparError,
+        "GpuparError: the training data (a tf.data.Dataset of endless batches) have no known length, so an epoch "
+        "has none; pass steps_per_epoch (TextLineDataset: finite, of unknown cardinality)"),
     "making_new_layers_and_models_via_subclassing": (
         ValueError,
         "ValueError: Exception encountered when calling Sampling.call(). tf.function only supports singleton "
