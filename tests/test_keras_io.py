@@ -22,9 +22,13 @@ import keras_io
 EXAMPLES = sorted(module.name for module in pkgutil.iter_modules(keras_io.__path__)
                   if not module.name.startswith("_") and hasattr(importlib.import_module(f"keras_io.{module.name}"), "model_fn"))
 SLOW = {"mobilenetv2_from_scratch", "image_classification_from_scratch",  # over 10 s each here
-        "oxford_pets_image_segmentation", "bidirectional_lstm_imdb"}
+        "oxford_pets_image_segmentation", "bidirectional_lstm_imdb", "classification_with_grn_and_vsn"}
 # gpupar.fit fails for these ports as they are (Keras' own fit on one device trains them); see tests/keras_io/README.md.
 GPUPAR_FAILS = {
+    "classification_with_grn_and_vsn": (
+        gpupar.GpuparError,
+        "GpuparError: the training data (a tf.data.Dataset of endless batches) have no known length, so an epoch "
+        "has none; pass steps_per_epoch (make_csv_dataset(num_epochs=1): finite, of unknown cardinality)"),
     "text_generation_with_miniature_gpt": (
         gpupar.GpuparError,
         "GpuparError: the training data (a tf.data.Dataset of endless batches) have no known length, so an epoch "
