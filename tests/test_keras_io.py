@@ -25,29 +25,10 @@ EXAMPLES = sorted(module.name for module in pkgutil.iter_modules(keras_io.__path
                   if not module.name.startswith("_") and hasattr(importlib.import_module(f"keras_io.{module.name}"), "model_fn"))
 SLOW = {"mobilenetv2_from_scratch", "image_classification_from_scratch",  # over 10 s each here
         "oxford_pets_image_segmentation", "bidirectional_lstm_imdb", "classification_with_grn_and_vsn"}
-# gpupar.fit fails for these ports as they are (Keras' own fit on one device trains them); see tests/keras_io/README.md.
-GPUPAR_FAILS = {
-    "classification_with_grn_and_vsn": (
-        gpupar.GpuparError,
-        "GpuparError: the training data (a tf.data.Dataset of endless batches) have no known length, so an epoch "
-        "has none; pass steps_per_epoch (make_csv_dataset(num_epochs=1): finite, of unknown cardinality)"),
-    "text_generation_with_miniature_gpt": (
-        gpupar.GpuparError,
-        "GpuparError: the training data (a tf.data.Dataset of endless batches) have no known length, so an epoch "
-        "has none; pass steps_per_epoch (TextLineDataset: finite, of unknown cardinality)"),
-    "making_new_layers_and_models_via_subclassing": (
-        ValueError,
-        "ValueError: Exception encountered when calling Sampling.call(). tf.function only supports singleton "
-        "tf.Variables created on the first call. (as Keras' own fit under MirroredStrategy)"),
-}
 
 
 def _param(name):
-    marks = [pytest.mark.slow] if name in SLOW else []
-    if name in GPUPAR_FAILS:
-        raises, reason = GPUPAR_FAILS[name]
-        marks.append(pytest.mark.xfail(strict=True, raises=raises, reason=reason))
-    return pytest.param(name, marks=marks)
+    return pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
 
 
 @pytest.mark.parametrize("name", [_param(n) for n in EXAMPLES])
@@ -67,7 +48,7 @@ def test_a_keras_io_example_ports_by_the_rule(name, tmp_path):
         assert np.all(np.isfinite(values)), (name, log_name)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in EXAMPLES])
+@pytest.mark.parametrize("name", [_param(n) for n in EXAMPLES])
 def test_a_keras_io_example_ports_by_two_renames(name, tmp_path):
     example = importlib.import_module(f"keras_io.{name}")
     keras.utils.set_random_seed(0)

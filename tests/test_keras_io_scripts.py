@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import gpupar
 import keras_io
 
 EXAMPLES = sorted(module.name for module in pkgutil.iter_modules(keras_io.__path__) if not module.name.startswith("_"))
@@ -52,10 +53,10 @@ KERAS_FAILS_ON_TWO_REPLICAS = {
 _ONE_DEVICE = {}  # name -> the History of Keras' one-device run in this process
 
 
-def _run(name, strategy, workdir):
+def _run(name, strategy, workdir, fit=keras.Model.fit):
     example = importlib.import_module(f"keras_io.{name}")
     keras.utils.set_random_seed(0)
-    return example.script(strategy, keras.Model.fit, str(workdir))
+    return example.script(strategy, fit, str(workdir))
 
 
 def _two_replicas():
@@ -109,6 +110,27 @@ def test_a_keras_io_script_trains_with_keras_fit_on_two_replicas(name, tmp_path,
     one = _one_device(name, tmp_path_factory)
     assert set(history.history) == set(one.history), name  # the same logs as on one device
     assert len(history.epoch) == len(one.epoch)
+
+
+ACCURACY = ("val_accuracy", "accuracy", "val_sparse_categorical_accuracy", "sparse_categorical_accuracy",
+            "val_binary_accuracy", "binary_accuracy")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TWO_REPLICAS | SLOW_ONE_DEVICE
+                                  else n for n in SCRIPTS])
+def test_a_keras_io_script_ports_by_two_renames(name, tmp_path, tmp_path_factory):
+    """tf.distribute.MirroredStrategy(...) -> gpupar.strategy(...), fit(model, ...) -> gpupar.fit(model, ...): trains on
+    2 replicas, logs Keras' names, and ends within 0.015 of Keras' own fit's accuracy (on one device, where every
+    program trains)."""
+    strategy = gpupar.strategy("mirrored", virtual_cpus=2)
+    history = _run(name, strategy, tmp_path, gpupar.fit)
+    _assert_trained(name, history)
+    assert history.replicas == 2
+    theirs = _one_device(name, tmp_path_factory).history
+    assert set(history.history) == set(theirs), name
+    shared = [metric for metric in ACCURACY if metric in theirs]
+    for metric in shared[:1]:
+        assert history.history[metric][-1] == pytest.approx(theirs[metric][-1], abs=0.015), (name, metric)
 
 
 def test_the_known_keras_failures_are_of_scripts():
