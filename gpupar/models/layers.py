@@ -76,11 +76,41 @@ def replica_seeds():
     once could leave the swapped one in place.
     """
     _install_replica_seeds()
+    from keras.src.backend.common import global_state
+    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+
+    if _SHARED.get("generator") is not None and global_state.get_global_attribute(GLOBAL_SEED_GENERATOR) is None:
+        global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, _SHARED["generator"])  # this replica's thread
     _REPLICA_SEEDS.depth = getattr(_REPLICA_SEEDS, "depth", 0) + 1
     try:
         yield
     finally:
         _REPLICA_SEEDS.depth -= 1
+
+
+_SHARED = {}  # the global SeedGenerator that every replica's thread shares (global_seed_generator)
+
+
+def global_seed_generator(strategy):
+    """Keras' global SeedGenerator (unseeded keras.random draws), made under `strategy` and shared by its replicas.
+
+    Keras keeps it per thread and makes it on first use, and MirroredStrategy runs each replica
+    in a thread of its own: an unseeded draw in a replica's step would make it inside the traced
+    step, which TensorFlow refuses (keras-io's VAE fails so under model.fit). Made here once, in
+    the strategy's scope, it is the main thread's and every replica thread's (replica_seeds()),
+    draws apart on each replica, and checkpoints can hold it. The one use of Keras' global_state,
+    a private module (keras/src/backend/common/global_state.py; tests/test_keras_surface.py).
+    """
+    from keras.src.backend.common import global_state
+    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR, SeedGenerator
+
+    generator = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+    if generator is None or getattr(generator.state.value, "_distribute_strategy", None) is not strategy:
+        with strategy.scope(), replica_consistent_state():
+            generator = SeedGenerator()
+        global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, generator)
+    _SHARED["generator"] = generator
+    return generator
 
 
 @tf.function(jit_compile=True)

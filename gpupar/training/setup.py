@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from gpupar.errors import GpuparError, TensorFlowStarted
-from gpupar.models.layers import fall_back_from_xla, replica_consistent_state, xla_batch_norm_error
+from gpupar.models.layers import fall_back_from_xla, global_seed_generator, replica_consistent_state, xla_batch_norm_error
 from gpupar.runtime.devices import configure_devices
 from gpupar.training.inner_loop import unpack
 from gpupar.training.objective import Objective
@@ -65,6 +65,7 @@ def build_trainer(config, task, mode, cluster=None) -> Trainer:
     eval_batch = config.input.validation_batch_size or per_step
     model, placement, compiled, variables, optimizer, update_optimizer = _model_and_optimizer(
         step_options, task, mode, placement, train)
+    keras_seeds = global_seed_generator(placement.strategy)  # unseeded keras.random draws, shared by the replicas
     step_options, loop = _with_compile_options(step_options, loop, compiled)
     step_options = _jit_resolved(step_options, model, mode.jit_refusal(placement))
     if placement.on_gpus and fall_back_from_xla(model, xla_batch_norm_error(placement.devices[0])):
@@ -90,7 +91,8 @@ def build_trainer(config, task, mode, cluster=None) -> Trainer:
         steps_per_call=loop.steps_per_call or mode.steps_per_call or loop.steps_in_a_call(steps_per_epoch),
         signature=task.signature or _signature(model),
         learning_rate=None if compiled.optimizer is not None else step_options.learning_rate,
-        visible_gpus=devices.visible_gpus, given_model=task.model if task.model is not model else None)
+        visible_gpus=devices.visible_gpus, given_model=task.model if task.model is not model else None,
+        random_state=(keras_seeds.state,))
 
 
 def _scales_the_loss(optimizer, step_options) -> bool:

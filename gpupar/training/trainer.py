@@ -72,6 +72,7 @@ class Trainer:
       visible_gpus: The physical GPUs in use (for the utilisation sampler).
       given_model: The model gpupar.fit was given where `model` is a copy rebuilt under the
         strategy (its trained weights go back into it), else None.
+      random_state: Random state outside the model that checkpoints hold (Keras' global SeedGenerator's).
     """
 
     placement: Placement
@@ -90,6 +91,7 @@ class Trainer:
     learning_rate: Optional[float] = None
     visible_gpus: Sequence[int] = ()
     given_model: Any = None
+    random_state: Sequence = ()
 
     @property
     def strategy(self):
@@ -113,8 +115,9 @@ class Trainer:
         return self.optimizer.iterations
 
     def state(self) -> dict:
-        """What checkpoints hold, by name: the model, its optimizer, and the step's own state."""
-        return {"model": self.model, "optimizer": self.optimizer, **self.step.state()}
+        """What checkpoints hold, by name: the model, its optimizer, random state outside the model, the step's own."""
+        return {"model": self.model, "optimizer": self.optimizer, "global_random_state": list(self.random_state),
+                **self.step.state()}
 
     def start(self, first_step: int, limit: Optional[int] = None):
         """The training input from a global step (after restoring; at most `limit` steps)."""
