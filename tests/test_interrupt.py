@@ -65,3 +65,30 @@ def test_a_pydataset_whose_worker_processes_raise_ends_every_fit_within_seconds_
         line, user_frame = said.split(" | ")
         assert line == "x: Unreadable[5] raised OSError: image 5 is unreadable"
         assert user_frame.endswith("in __getitem__")  # the worker process's traceback, into the user's code
+
+
+SIGTERM_AT_STEP_3 = """
+import os, signal, sys
+import keras, numpy as np
+import gpupar
+
+x = np.random.default_rng(0).normal(size=(256, 6)).astype("float32")
+y = (x[:, 0] > 0).astype("int32")
+stop = keras.callbacks.LambdaCallback(
+    on_train_batch_end=lambda batch, logs: batch == 2 and os.kill(os.getpid(), signal.SIGTERM))  # a scheduler's SIGTERM
+gpupar.fit(lambda: keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)]), x, y, batch_size=32, epochs=2,
+           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), callbacks=[stop], steps_per_call=1,
+           model_dir=sys.argv[1], verbose=0)
+print("not reached")
+"""
+
+
+@pytest.mark.slow
+def test_a_script_whose_fit_a_signal_stopped_exits_with_128_plus_it_in_one_line_without_a_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-c", SIGTERM_AT_STEP_3, str(tmp_path / "run")], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    said = [line for line in (result.stdout + result.stderr).splitlines() if "SIGTERM" in line or "Traceback" in line]
+    assert result.returncode == 143, result.stderr[-2000:]
+    assert said == [f"SIGTERM received: saved {tmp_path / 'run' / 'within_epoch' / 'step-3'}"]
+    assert "not reached" not in result.stdout
+

@@ -9,12 +9,17 @@ from gpupar.errors import GpuparError
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class TrainingInterrupted(GpuparError):
-    """Training stopped on a signal after saving; `exit_status` is the shell's 128 + signal."""
+class TrainingInterrupted(GpuparError, SystemExit):
+    """Training stopped on a signal after saving; `exit_status` is the shell's 128 + signal.
+
+    It is a SystemExit too, with that status as its code: uncaught (a script's gpupar.fit under
+    `gpupar launch`), it ends the process as the signal would have, with the training log's one
+    line that says what was saved and no traceback.
+    """
 
     def __init__(self, signum: int, checkpoint):
         self.signum = signum
-        self.exit_status = 128 + signum
+        self.exit_status = self.code = 128 + signum
         where = f"saved {checkpoint}; resume with --resume" if checkpoint else "no model_dir, nothing saved"
         super().__init__(f"interrupted by {signal.Signals(signum).name} ({where})")
 
