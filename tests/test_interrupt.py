@@ -92,3 +92,9 @@ def test_a_script_whose_fit_a_signal_stopped_exits_with_128_plus_it_in_one_line_
     assert said == [f"SIGTERM received: saved {tmp_path / 'run' / 'within_epoch' / 'step-3'}"]
     assert "not reached" not in result.stdout
 
+
+def test_launch_exits_with_the_shells_status_for_a_task_killed_by_a_signal():
+    from launching import Launch
+
+    launch = Launch(["--workers=2"], ["sh", "-c", "kill -KILL $$"])
+    assert launch.finish(timeout=60) == 128 + signal.SIGKILL, launch.output[-2000:]
