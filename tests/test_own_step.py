@@ -191,6 +191,15 @@ def _difference(a, b):
     return max(float(np.max(np.abs(u - v))) for u, v in zip(a.model.get_weights(), b.model.get_weights()))
 
 
+def _straight_and_resumed(model_fn, data, model_dir, **options):
+    """An uninterrupted run, and the same run stopped at step 6 of its first epoch (a step checkpoint) and resumed."""
+    straight = _fit(model_fn, *data, **options)
+    _fit(model_fn, *data, save=True, model_dir=model_dir, checkpoint_every_steps=3, **{**options, "epochs": 1})
+    resumed = _fit(model_fn, *data, save=True, model_dir=model_dir,
+                   resume=os.path.join(model_dir, "within_epoch", "step-6"), **options)
+    return straight, resumed
+
+
 def _moved(result, model_fn):
     return max(float(np.max(np.abs(u - v))) for u, v in zip(result.model.get_weights(), model_fn().get_weights()))
 
@@ -203,34 +212,34 @@ KINDS = {"gan": (gan_fn, lambda: (_images(),), {"d_loss", "g_loss"}),
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_an_own_train_step_on_two_replicas_resumed_mid_epoch_ends_as_an_uninterrupted_run(kind, tmp_path):
     model_fn, data, names = KINDS[kind]
-    straight = _fit(model_fn, *data())
-    model_dir = str(tmp_path / "run")
-    _fit(model_fn, *data(), save=True, model_dir=model_dir, checkpoint_every_steps=3, epochs=1)
-    resumed = _fit(model_fn, *data(), save=True, model_dir=model_dir,
-                   resume=os.path.join(model_dir, "within_epoch", "step-6"))
+    straight, resumed = _straight_and_resumed(model_fn, data(), str(tmp_path / "run"))
     assert resumed.replicas == 2 and resumed.records[0].resumed_at_step == 6
     assert _moved(straight, model_fn) > 100 * ATOL
     assert _difference(straight, resumed) < 1e-6
     # The resumed epoch reports the whole epoch: the step's metrics were in the checkpoint.
     assert set(straight.history) == names  # the logs are what the step returns, under its names
     for name, values in straight.history.items():
-        assert resumed.history[name] == pytest.approx(values, rel=1e-5), name
+        assert resumed.history[name] == values, name
 
 
 def test_without_its_metrics_in_the_checkpoint_a_resumed_epoch_reports_only_its_own_steps(tmp_path, monkeypatch):
     """The control of the test above: the step's metrics are what carries the epoch's logs over a restart."""
     from gpupar.training import checkpoint
 
-    straight = _fit(gan_fn, _images())
     original = checkpoint.Checkpoints.__init__
     monkeypatch.setattr(checkpoint.Checkpoints, "__init__",
                         lambda self, *args: original(self, *args[:-1], ()))  # step_state left out
-    model_dir = str(tmp_path / "run")
-    _fit(gan_fn, _images(), save=True, model_dir=model_dir, checkpoint_every_steps=3, epochs=1)
-    resumed = _fit(gan_fn, _images(), save=True, model_dir=model_dir,
-                   resume=os.path.join(model_dir, "within_epoch", "step-6"))
+    straight, resumed = _straight_and_resumed(gan_fn, (_images(),), str(tmp_path / "run"))
     assert _difference(straight, resumed) < 1e-6  # the weights do not depend on the metrics...
     assert abs(resumed.history["d_loss"][0] - straight.history["d_loss"][1]) > 1e-4  # ...the epoch's logs do
+
+
+def test_a_resumed_epoch_logs_to_the_last_bit_what_an_uninterrupted_one_does(tmp_path):
+    """TensorFlow restores 1/2 of the metrics' sum on each replica; on these data the logs came out one float32
+    step apart (0.41293656826019287 against 0.4129365384578705) until each replica's own value was put back."""
+    straight, resumed = _straight_and_resumed(gan_fn, (_images(seed=3),), str(tmp_path / "run"), epochs=1)
+    assert _difference(straight, resumed) == 0.0
+    assert resumed.history == straight.history
 
 
 def test_a_distillation_step_on_two_replicas_updates_as_on_one_device():

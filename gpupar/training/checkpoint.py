@@ -6,6 +6,7 @@ import logging
 import os
 from typing import Mapping, Optional
 
+import keras
 import tensorflow as tf
 
 from gpupar.errors import GpuparError
@@ -54,6 +55,8 @@ class Checkpoints:
     optimizer's scale and its count of good steps (mixed_float16) go in too: a resumed run starts
     from the scale it had reached, not from 2^15 again with overflowing first steps. `step_state`:
     the variables of a model's own train_step that are not the model's weights (its metrics).
+    What a bit-for-bit resume needs besides the variables' values (ExactResumeState) goes in too,
+    and is put back where a checkpoint has it.
     """
 
     def __init__(self, model_dir: Optional[str], model, optimizer, max_to_keep: Optional[int] = None,
@@ -68,11 +71,14 @@ class Checkpoints:
         self.loss_scale = tf.Variable([0.0, 0.0], dtype=tf.float32, trainable=False, name="loss_scale")
         self.run_global_batch = global_batch
         own = {"step_state": list(step_state)} if step_state else {}
-        self.checkpoint = tf.train.Checkpoint(
+        held = dict(
             model=model, optimizer=optimizer, epoch=self.epoch, step=self.step, global_batch=self.global_batch,
             epoch_totals=self.totals, loss_scale=self.loss_scale, random_state=random_state(model),
             model_signature=tf.Variable(json.dumps(self.signature, sort_keys=True), dtype=tf.string, trainable=False),
             **own)
+        self.exact = ExactResumeState(step_state)
+        self.checkpoint = tf.train.Checkpoint(**held, **self.exact.variables)
+        self.required = tf.train.Checkpoint(**held)  # what a restore must find (checkpoints before `exact` lack it)
         self.model_dir, self.saving = model_dir, save
         self.epochs = self.steps = None
         if model_dir is not None:
@@ -137,7 +143,8 @@ class Checkpoints:
             path = max(candidates, key=self._position_in)
         self._check_signature(path)
         try:
-            self.checkpoint.restore(path).assert_existing_objects_matched()
+            self.required.restore(path).assert_existing_objects_matched()
+            self.exact.put_back(tf.train.load_checkpoint(path))
         except (AssertionError, IndexError, ValueError, tf.errors.OpError) as e:
             raise self._unreadable(path, e) from None
         scale, good_steps = (float(v) for v in self.loss_scale.numpy())
@@ -159,6 +166,7 @@ class Checkpoints:
         self.totals.assign(json.dumps(dict(position.totals)))
         if self.scaled is not None:
             self.loss_scale.assign([float(self.scaled.dynamic_scale.numpy()), float(self.scaled.step_counter.numpy())])
+        self.exact.record()
         try:
             self.latest = manager.save(checkpoint_number=number)
         except (OSError, tf.errors.OpError) as e:
@@ -177,6 +185,55 @@ class Checkpoints:
     def save_step(self, position: Position, global_step: int) -> Optional[str]:
         """Writes a within-epoch checkpoint at `position` (its totals included); returns its path."""
         return self._save(self.steps, global_step, position)
+
+
+class ExactResumeState:
+    """What a resumed run needs besides the variables' values to go on bit for bit as an uninterrupted run.
+
+    Each replica's own value of the step's sync-on-read variables (a model's own train_step's
+    metrics). TensorFlow saves such a variable as its replicas' sum and restores 1/N of it on each,
+    so the logs of a resumed epoch (each replica's result(), averaged) would differ from an
+    uninterrupted run's in their last bits. Put back onto the same number of replicas of one
+    process; elsewhere TensorFlow's split stays.
+
+    Held as serialized tensors in a string variable, and read from a checkpoint only where it has
+    them.
+    """
+
+    def __init__(self, step_state=()):
+        self.step_state = [v.value if isinstance(v, keras.Variable) else v for v in step_state]
+        self.by_replica = tf.Variable([b""] * len(self.step_state), dtype=tf.string, trainable=False,
+                                      name="step_state_by_replica")
+        self.variables = {"step_state_by_replica": self.by_replica}
+
+    def record(self):
+        """Copies the current values into the string variables, before a save."""
+        self.by_replica.assign(tf.constant([
+            tf.io.serialize_tensor(tf.stack([c.read_value() for c in v.values])).numpy() if _per_replica(v) else b""
+            for v in self.step_state], dtype=tf.string, shape=[len(self.step_state)]))
+
+    def put_back(self, reader):
+        """Puts the values that the checkpoint `reader` reads back where they fit."""
+        names = reader.get_variable_to_dtype_map()
+        if _key("step_state_by_replica") in names:
+            for v, saved in zip(self.step_state, reader.get_tensor(_key("step_state_by_replica"))):
+                if saved and _per_replica(v):
+                    values = tf.io.parse_tensor(saved, v.dtype)
+                    if values.shape[0] == len(v.values):
+                        for component, value in zip(v.values, values):
+                            component.assign(value)
+
+
+def _key(name: str) -> str:
+    """The name a checkpoint gives the value of the variable `name` held at its root."""
+    return f"{name}/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def _per_replica(variable) -> bool:
+    """Whether the variable keeps a value per replica that a checkpoint sums: sync-on-read, every replica here."""
+    return (isinstance(variable, tf.distribute.DistributedValues)
+            and variable.synchronization == tf.VariableSynchronization.ON_READ
+            and 1 < len(variable.values) == variable.distribute_strategy.num_replicas_in_sync)
 
 
 def random_state(model) -> list:
