@@ -8,6 +8,7 @@ from typing import Mapping, Optional
 
 import keras
 import tensorflow as tf
+from tensorflow.python.ops import stateful_random_ops
 
 from gpupar.errors import GpuparError
 
@@ -190,27 +191,32 @@ class Checkpoints:
 class ExactResumeState:
     """What a resumed run needs besides the variables' values to go on bit for bit as an uninterrupted run.
 
-    Each replica's own value of the step's sync-on-read variables (a model's own train_step's
-    metrics). TensorFlow saves such a variable as its replicas' sum and restores 1/N of it on each,
-    so the logs of a resumed epoch (each replica's result(), averaged) would differ from an
-    uninterrupted run's in their last bits. Put back onto the same number of replicas of one
-    process; elsewhere TensorFlow's split stays.
+    - Each replica's own value of the step's sync-on-read variables (a model's own train_step's
+      metrics). TensorFlow saves such a variable as its replicas' sum and restores 1/N of it on
+      each, so the logs of a resumed epoch (each replica's result(), averaged) would differ from
+      an uninterrupted run's in their last bits. Put back onto the same number of replicas of one
+      process; elsewhere TensorFlow's split stays.
+    - The state of TensorFlow's global generator (tf.random.get_global_generator()), where one
+      exists; a tf.random.Generator kept on the model is in the model's part already.
 
-    Held as serialized tensors in a string variable, and read from a checkpoint only where it has
-    them.
+    Both are held as serialized tensors in string variables, and read from a checkpoint only where
+    it has them.
     """
 
     def __init__(self, step_state=()):
         self.step_state = [v.value if isinstance(v, keras.Variable) else v for v in step_state]
         self.by_replica = tf.Variable([b""] * len(self.step_state), dtype=tf.string, trainable=False,
                                       name="step_state_by_replica")
-        self.variables = {"step_state_by_replica": self.by_replica}
+        self.generator = tf.Variable(b"", dtype=tf.string, trainable=False, name="global_generator_state")
+        self.variables = {"step_state_by_replica": self.by_replica, "global_generator_state": self.generator}
 
     def record(self):
         """Copies the current values into the string variables, before a save."""
         self.by_replica.assign(tf.constant([
             tf.io.serialize_tensor(tf.stack([c.read_value() for c in v.values])).numpy() if _per_replica(v) else b""
             for v in self.step_state], dtype=tf.string, shape=[len(self.step_state)]))
+        generator = _global_generator()
+        self.generator.assign(tf.io.serialize_tensor(generator.state.read_value()) if generator is not None else b"")
 
     def put_back(self, reader):
         """Puts the values that the checkpoint `reader` reads back where they fit."""
@@ -222,6 +228,41 @@ class ExactResumeState:
                     if values.shape[0] == len(v.values):
                         for component, value in zip(v.values, values):
                             component.assign(value)
+        generator = _global_generator()
+        saved = reader.get_tensor(_key("global_generator_state")) if _key("global_generator_state") in names else b""
+        if saved and generator is not None:
+            state = tf.io.parse_tensor(saved, generator.state.dtype)
+            if state.shape == generator.state.shape:
+                generator.state.assign(state)
+
+
+# Random ops whose state lives in the op's kernel, where no checkpoint reaches it: op type -> the call that makes it.
+_KERNEL_STATE_DRAWS = {
+    "RandomStandardNormal": "tf.random.normal", "RandomUniform": "tf.random.uniform",
+    "RandomUniformInt": "tf.random.uniform", "TruncatedNormal": "tf.random.truncated_normal",
+    "ParameterizedTruncatedNormal": "tf.random.truncated_normal", "RandomShuffle": "tf.random.shuffle",
+    "Multinomial": "tf.random.categorical", "RandomGamma": "tf.random.gamma", "RandomPoisson": "tf.random.poisson",
+    "RandomPoissonV2": "tf.random.poisson",
+}
+
+
+def unsaved_draws(graph) -> list:
+    """The calls (tf.random.normal, ...) that make random ops in a traced graph whose state no checkpoint holds.
+
+    Such an op, seeded or not, draws from where its kernel has got to in this process: a resumed
+    run starts it from the beginning again, whatever the checkpoint holds.
+    """
+    graph_def = graph.as_graph_def()
+    ops = [node.op for node in graph_def.node]
+    ops += [node.op for function in graph_def.library.function for node in function.node_def]
+    return sorted({_KERNEL_STATE_DRAWS[op] for op in ops if op in _KERNEL_STATE_DRAWS})
+
+
+def inexact_resume_note(step: str, draws) -> str:
+    """The log line that says a resumed run will not draw what an uninterrupted one would, and what to draw with."""
+    return (f"resume: {step} draws with {', '.join(draws)}, whose state no checkpoint can hold, so a resumed run will "
+            "not draw what an uninterrupted one would; for an exact resume draw with keras.random.* and a "
+            "keras.random.SeedGenerator kept on the model (or a tf.random.Generator kept on it)")
 
 
 def _key(name: str) -> str:
@@ -234,6 +275,15 @@ def _per_replica(variable) -> bool:
     return (isinstance(variable, tf.distribute.DistributedValues)
             and variable.synchronization == tf.VariableSynchronization.ON_READ
             and 1 < len(variable.values) == variable.distribute_strategy.num_replicas_in_sync)
+
+
+def _global_generator():
+    """TensorFlow's global generator if one exists, else None.
+
+    Not tf.random.get_global_generator(), which would make one here, outside the strategy's scope,
+    where a step under the strategy could not draw from it.
+    """
+    return stateful_random_ops.global_generator
 
 
 def random_state(model) -> list:
