@@ -258,6 +258,7 @@ def test_a_pydataset_whose_worker_raises_names_the_batch_and_writes_nothing_new(
     with pytest.raises(GpuparError) as e:
         gpupar.fit(_compiled(), _Batches(x, y, broken=5, workers=2), epochs=1, model_dir=str(model_dir))
     assert "_Batches[5] raised OSError: image 5 is unreadable" in str(e.value) and "\n" not in str(e.value)
+    assert isinstance(e.value.__cause__, OSError)  # the user's error, its traceback printed above the line
     assert not list(model_dir.glob("ckpt-*"))
 
 

@@ -108,6 +108,11 @@ class Task:
     process: subprocess.Popen
     reader: threading.Thread
 
+    def status(self) -> Optional[int]:
+        """Its exit status as a shell gives it (128 + the signal that killed it), or None while it runs."""
+        code = self.process.poll()
+        return 128 - code if code is not None and code < 0 else code
+
 
 def _stream(prefix: str, pipe, out, lock, quiet: bool):
     """Relays a task's output, each line prefixed with its name; TensorFlow's C++ chatter left out where quiet."""
@@ -228,13 +233,13 @@ class Launcher:
         """
         if "ps" in self.jobs:
             for task in self.tasks.values():
-                code = task.process.poll()
+                code = task.status()
                 if task.cluster.task_type == "chief" and code is not None:
                     return code
                 if task.cluster.task_type == "ps" and code is not None:
                     return code or 1
             return None
-        codes = [task.process.poll() for task in self.tasks.values()]
+        codes = [task.status() for task in self.tasks.values()]
         failed = [c for c in codes if c not in (None, 0)]
         if failed:
             return failed[0]
@@ -270,7 +275,7 @@ class Launcher:
             if task.cluster.task_type == "worker" and code is not None:
                 if self.restarts <= 0:
                     self.say(f"{task.name} ended with status {code}; no restarts left")
-                    return code if code else 1
+                    return task.status() or 1
                 self.restarts -= 1
                 task.reader.join(timeout=5)
                 self.say(f"{task.name} ended with status {code}; restarting it ({self.restarts} restart(s) left)")
@@ -309,7 +314,8 @@ def launch(workers: int, ps: int, restarts: int, args: List[str], gpus_per_worke
     allow_network.
 
     Returns:
-      The exit status: that of the failing task, if any, or 128 + the signal that stopped it.
+      The exit status: that of the failing task, if any (128 + the signal that killed it, as a
+      shell says), or 128 + the signal that stopped the launcher.
 
     Raises:
       GpuparError: GPUs that cannot be shared out, or no private network without allow_network

@@ -6,7 +6,9 @@ import logging
 import os
 from typing import Mapping, Optional
 
+import keras
 import tensorflow as tf
+from tensorflow.python.ops import stateful_random_ops
 
 from gpupar.errors import GpuparError
 
@@ -52,9 +54,11 @@ class Checkpoints:
     (`signature`: the model and its shape-defining options), so that restoring into another model
     says which one the checkpoint needs. With save=False it only restores. A loss-scale
     optimizer's scale and its count of good steps (mixed_float16) go in too: a resumed run starts
-    from the scale it had reached, not from 2^15 again with overflowing first steps. `state` names what the run trains ({"model": ..., "optimizer": ..., and the step's own state,
-    such as a model's own train_step's metrics}: gpupar.training.trainer.Trainer.state); the
-    model's random state (Keras' SeedGenerators) goes in beside it.
+    from the scale it had reached, not from 2^15 again with overflowing first steps. `state` names
+    what the run trains ({"model": ..., "optimizer": ..., and the step's own state, "step_state",
+    such as its metrics}: gpupar.training.trainer.Trainer.state); the model's random state
+    (Keras' SeedGenerators) goes in beside it. What a bit-for-bit resume needs besides the
+    variables' values (ExactResumeState) goes in too, and is put back where a checkpoint has it.
     """
 
     def __init__(self, model_dir: Optional[str], state: Mapping, max_to_keep: Optional[int] = None,
@@ -68,10 +72,13 @@ class Checkpoints:
         self.scaled = loss_scale_optimizer
         self.loss_scale = tf.Variable([0.0, 0.0], dtype=tf.float32, trainable=False, name="loss_scale")
         self.run_global_batch = global_batch
-        self.checkpoint = tf.train.Checkpoint(
+        held = dict(
             **state, epoch=self.epoch, step=self.step, global_batch=self.global_batch,
             epoch_totals=self.totals, loss_scale=self.loss_scale, random_state=random_state(state["model"]),
             model_signature=tf.Variable(json.dumps(self.signature, sort_keys=True), dtype=tf.string, trainable=False))
+        self.exact = ExactResumeState(state.get("step_state", ()))
+        self.checkpoint = tf.train.Checkpoint(**held, **self.exact.variables)
+        self.required = tf.train.Checkpoint(**held)  # what a restore must find (checkpoints before `exact` lack it)
         self.model_dir, self.saving = model_dir, save
         self.epochs = self.steps = None
         if model_dir is not None:
@@ -136,7 +143,8 @@ class Checkpoints:
             path = max(candidates, key=self._position_in)
         self._check_signature(path)
         try:
-            self.checkpoint.restore(path).assert_existing_objects_matched()
+            self.required.restore(path).assert_existing_objects_matched()
+            self.exact.put_back(tf.train.load_checkpoint(path))
         except (AssertionError, IndexError, ValueError, tf.errors.OpError) as e:
             raise self._unreadable(path, e) from None
         scale, good_steps = (float(v) for v in self.loss_scale.numpy())
@@ -158,6 +166,7 @@ class Checkpoints:
         self.totals.assign(json.dumps(dict(position.totals)))
         if self.scaled is not None:
             self.loss_scale.assign([float(self.scaled.dynamic_scale.numpy()), float(self.scaled.step_counter.numpy())])
+        self.exact.record()
         try:
             self.latest = manager.save(checkpoint_number=number)
         except (OSError, tf.errors.OpError) as e:
@@ -176,6 +185,104 @@ class Checkpoints:
     def save_step(self, position: Position, global_step: int) -> Optional[str]:
         """Writes a within-epoch checkpoint at `position` (its totals included); returns its path."""
         return self._save(self.steps, global_step, position)
+
+
+class ExactResumeState:
+    """What a resumed run needs besides the variables' values to go on bit for bit as an uninterrupted run.
+
+    - Each replica's own value of the step's sync-on-read variables (a model's own train_step's
+      metrics). TensorFlow saves such a variable as its replicas' sum and restores 1/N of it on
+      each, so the logs of a resumed epoch (each replica's result(), averaged) would differ from
+      an uninterrupted run's in their last bits. Put back onto the same number of replicas of one
+      process; elsewhere TensorFlow's split stays.
+    - The state of TensorFlow's global generator (tf.random.get_global_generator()), where one
+      exists; a tf.random.Generator kept on the model is in the model's part already.
+
+    Both are held as serialized tensors in string variables, and read from a checkpoint only where
+    it has them.
+    """
+
+    def __init__(self, step_state=()):
+        self.step_state = [v.value if isinstance(v, keras.Variable) else v for v in step_state]
+        self.by_replica = tf.Variable([b""] * len(self.step_state), dtype=tf.string, trainable=False,
+                                      name="step_state_by_replica")
+        self.generator = tf.Variable(b"", dtype=tf.string, trainable=False, name="global_generator_state")
+        self.variables = {"step_state_by_replica": self.by_replica, "global_generator_state": self.generator}
+
+    def record(self):
+        """Copies the current values into the string variables, before a save."""
+        self.by_replica.assign(tf.constant([
+            tf.io.serialize_tensor(tf.stack([c.read_value() for c in v.values])).numpy() if _per_replica(v) else b""
+            for v in self.step_state], dtype=tf.string, shape=[len(self.step_state)]))
+        generator = _global_generator()
+        self.generator.assign(tf.io.serialize_tensor(generator.state.read_value()) if generator is not None else b"")
+
+    def put_back(self, reader):
+        """Puts the values that the checkpoint `reader` reads back where they fit."""
+        names = reader.get_variable_to_dtype_map()
+        if _key("step_state_by_replica") in names:
+            for v, saved in zip(self.step_state, reader.get_tensor(_key("step_state_by_replica"))):
+                if saved and _per_replica(v):
+                    values = tf.io.parse_tensor(saved, v.dtype)
+                    if values.shape[0] == len(v.values):
+                        for component, value in zip(v.values, values):
+                            component.assign(value)
+        generator = _global_generator()
+        saved = reader.get_tensor(_key("global_generator_state")) if _key("global_generator_state") in names else b""
+        if saved and generator is not None:
+            state = tf.io.parse_tensor(saved, generator.state.dtype)
+            if state.shape == generator.state.shape:
+                generator.state.assign(state)
+
+
+# Random ops whose state lives in the op's kernel, where no checkpoint reaches it: op type -> the call that makes it.
+_KERNEL_STATE_DRAWS = {
+    "RandomStandardNormal": "tf.random.normal", "RandomUniform": "tf.random.uniform",
+    "RandomUniformInt": "tf.random.uniform", "TruncatedNormal": "tf.random.truncated_normal",
+    "ParameterizedTruncatedNormal": "tf.random.truncated_normal", "RandomShuffle": "tf.random.shuffle",
+    "Multinomial": "tf.random.categorical", "RandomGamma": "tf.random.gamma", "RandomPoisson": "tf.random.poisson",
+    "RandomPoissonV2": "tf.random.poisson",
+}
+
+
+def unsaved_draws(graph) -> list:
+    """The calls (tf.random.normal, ...) that make random ops in a traced graph whose state no checkpoint holds.
+
+    Such an op, seeded or not, draws from where its kernel has got to in this process: a resumed
+    run starts it from the beginning again, whatever the checkpoint holds.
+    """
+    graph_def = graph.as_graph_def()
+    ops = [node.op for node in graph_def.node]
+    ops += [node.op for function in graph_def.library.function for node in function.node_def]
+    return sorted({_KERNEL_STATE_DRAWS[op] for op in ops if op in _KERNEL_STATE_DRAWS})
+
+
+def inexact_resume_note(step: str, draws) -> str:
+    """The log line that says a resumed run will not draw what an uninterrupted one would, and what to draw with."""
+    return (f"resume: {step} draws with {', '.join(draws)}, whose state no checkpoint can hold, so a resumed run will "
+            "not draw what an uninterrupted one would; for an exact resume draw with keras.random.* and a "
+            "keras.random.SeedGenerator kept on the model (or a tf.random.Generator kept on it)")
+
+
+def _key(name: str) -> str:
+    """The name a checkpoint gives the value of the variable `name` held at its root."""
+    return f"{name}/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def _per_replica(variable) -> bool:
+    """Whether the variable keeps a value per replica that a checkpoint sums: sync-on-read, every replica here."""
+    return (isinstance(variable, tf.distribute.DistributedValues)
+            and variable.synchronization == tf.VariableSynchronization.ON_READ
+            and 1 < len(variable.values) == variable.distribute_strategy.num_replicas_in_sync)
+
+
+def _global_generator():
+    """TensorFlow's global generator if one exists, else None.
+
+    Not tf.random.get_global_generator(), which would make one here, outside the strategy's scope,
+    where a step under the strategy could not draw from it.
+    """
+    return stateful_random_ops.global_generator
 
 
 def random_state(model) -> list:

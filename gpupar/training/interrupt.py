@@ -9,14 +9,53 @@ from gpupar.errors import GpuparError
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class TrainingInterrupted(GpuparError):
-    """Training stopped on a signal after saving; `exit_status` is the shell's 128 + signal."""
+class TrainingInterrupted(GpuparError, SystemExit):
+    """Training stopped on a signal after saving; `exit_status` is the shell's 128 + signal.
+
+    It is a SystemExit too, with that status as its code: uncaught (a script's gpupar.fit under
+    `gpupar launch`), it ends the process as the signal would have, with the training log's one
+    line that says what was saved and no traceback.
+    """
 
     def __init__(self, signum: int, checkpoint):
         self.signum = signum
-        self.exit_status = 128 + signum
+        self.exit_status = self.code = 128 + signum
         where = f"saved {checkpoint}; resume with --resume" if checkpoint else "no model_dir, nothing saved"
         super().__init__(f"interrupted by {signal.Signals(signum).name} ({where})")
+
+
+_ACTIVE = []  # the StopRequests whose handlers are in place in this process, outermost first
+_MASK = []  # the forking thread's signal mask from before a fork, while the signals are held back for it
+
+
+def _hold_signals_for_fork():
+    """Blocks SIGINT and SIGTERM in the forking thread while gpupar handles them, until both sides are set.
+
+    A signal that reached the child before its handlers were put back would be lost: Python
+    discards the signals its handlers had not yet run for in a new child. Blocked, it waits.
+    """
+    if _ACTIVE:
+        _MASK.append(signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS))
+
+
+def _release_signals():
+    if _MASK:
+        signal.pthread_sigmask(signal.SIG_SETMASK, _MASK.pop())
+
+
+def _previous_handlers_in_child():
+    """In a forked child (a PyDataset's worker process), puts back the handlers from before gpupar's.
+
+    A child that kept gpupar's handler would only note a SIGTERM and carry on, so the
+    multiprocessing pool's terminate() (SIGTERM, then join) would wait for it forever.
+    """
+    while _ACTIVE:
+        _ACTIVE.pop().restore()
+    _release_signals()
+
+
+os.register_at_fork(before=_hold_signals_for_fork, after_in_parent=_release_signals,
+                    after_in_child=_previous_handlers_in_child)
 
 
 class StopRequests:
@@ -24,6 +63,7 @@ class StopRequests:
 
     The handler only records the signal (printing from it could collide with a write in
     progress); the training loop reports it. The second signal exits with the first's status.
+    Processes forked meanwhile start with the handlers from before.
     """
 
     def __init__(self):
@@ -40,6 +80,7 @@ class StopRequests:
         if threading.current_thread() is threading.main_thread():  # signals reach only the main thread
             for s in SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
+            _ACTIVE.append(self)
         return self
 
     def reinstall(self):
@@ -52,7 +93,13 @@ class StopRequests:
             for s in SIGNALS:
                 signal.signal(s, self._handle)
 
-    def __exit__(self, *exc):
+    def restore(self):
+        """Puts back the handlers that were in place before __enter__."""
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+
+    def __exit__(self, *exc):
+        self.restore()
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         return False

@@ -259,7 +259,8 @@ class Loop:
 
     @staticmethod
     def _interrupt(stop, saved):
-        log.info("%s received: %s", signal.Signals(stop.signum).name, f"saved {saved}" if saved else "nothing to save")
+        log.warning("%s received: %s", signal.Signals(stop.signum).name,
+                    f"saved {saved}" if saved else "nothing to save")
         raise TrainingInterrupted(stop.signum, saved)
 
     def run(self, start: Position, stop) -> List[EpochRecord]:

@@ -77,6 +77,6 @@ class GeneratorAdapter(PythonBatches):
                 return
             except Exception as e:  # the user's generator: its error names the batch
                 raise InputError(f"{self.role}: {self.form} raised {type(e).__name__} at batch {number}: "
-                                 f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
+                                 f"{str(e).splitlines()[0][:200] if str(e) else ''}", cause=e)
             yield batch
             number += 1

@@ -105,4 +105,4 @@ class PyDatasetAdapter(PythonBatches):
             return make()
         except Exception as e:  # the user's __getitem__: its error names the batch
             raise InputError(f"{self.role}: {type(self.data).__name__}[{index}] raised {type(e).__name__}: "
-                             f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
+                             f"{str(e).splitlines()[0][:200] if str(e) else ''}", cause=e)

@@ -5,7 +5,8 @@ dict of inputs. The first batches set the tensor spec (a dimension that differs 
 left open); every later batch is checked against it in Python, so a batch of another structure
 or rank is an error that names the batch. Errors raised by the user's code while training (a
 PyDataset's __getitem__, a generator) surface through tf.data; `input_errors` turns them into one
-GpuparError line naming the data and the batch.
+GpuparError line naming the data and the batch, raised from the user's own error (its traceback,
+a worker process's included, is printed above it).
 """
 
 import contextlib
@@ -23,25 +24,35 @@ from gpupar.errors import GpuparError
 
 SPEC_BATCHES = 2  # batches read before training to set the tensor spec
 _MARK = "gpupar input error: "
+_raised = {}  # the message of the last InputError raised from a user's error -> that error
 
 
 class InputError(GpuparError):
-    """A batch that the user's Python code made wrongly, or failed to make, while training."""
+    """A batch that the user's Python code made wrongly, or failed to make, while training.
 
-    def __init__(self, message):
+    `cause`: the error the user's code raised, which it is raised from. tf.data passes on only the
+    message, so the cause is also kept for input_errors to raise its GpuparError from.
+    """
+
+    def __init__(self, message, cause=None):
         super().__init__(_MARK + message)
+        self.__cause__ = cause
+        _raised.clear()
+        if cause is not None:
+            _raised[message] = cause
 
 
 @contextlib.contextmanager
 def input_errors():
-    """Turns the error that a Python input raised inside tf.data into one GpuparError line."""
+    """Turns the error that a Python input raised inside tf.data into one GpuparError line, from the user's error."""
     try:
         yield
     except tf.errors.OpError as e:
         found = re.search(re.escape(_MARK) + r"(.*)", str(e))
         if found is None:
             raise
-        raise GpuparError(found.group(1).strip()) from None
+        message = found.group(1).strip()
+        raise GpuparError(message) from _raised.pop(message, None)
 
 
 def standardized(batch, what: str, class_weight=None):

@@ -32,7 +32,7 @@ class ObjectiveStep(Step):
         self.layer_metrics = _layer_metrics(model)
 
     def state(self) -> dict:
-        return {"layer_metrics": [v for metric in self.layer_metrics for v in metric.variables]} if (
+        return {"step_state": [v for metric in self.layer_metrics for v in metric.variables]} if (
             self.layer_metrics) else {}
 
     def begin_epoch(self):

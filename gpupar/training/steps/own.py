@@ -14,6 +14,7 @@ batch-norm statistics are averaged over the replicas, and the optimizers' all-re
 """
 
 import contextlib
+import logging
 
 import keras
 import numpy as np
@@ -21,10 +22,12 @@ import tensorflow as tf
 
 from gpupar.errors import GpuparError
 from gpupar.models.layers import replica_seeds
+from gpupar.training.checkpoint import inexact_resume_note, unsaved_draws
 from gpupar.training.inner_loop import SUM, Results
 from gpupar.training.objective import summed_over_replicas
 from gpupar.training.steps.step import Step
 
+log = logging.getLogger("gpupar")
 MEAN = tf.distribute.ReduceOp.MEAN
 _KERAS_MODEL = keras.Model
 
@@ -192,7 +195,8 @@ def probe(strategy, model, element_spec, step_name="train_step") -> list:
 
     Tracing makes what the step makes on its first call (each optimizer's variables, beside the
     variables it updates), so that a checkpoint can be restored into them before training; and it
-    checks what the step returns, before any checkpoint is written.
+    checks what the step returns, before any checkpoint is written. A train_step that draws with
+    random ops no checkpoint can hold is said in the log.
 
     Raises:
       GpuparError: the step returns something other than a dict of scalars.
@@ -200,6 +204,9 @@ def probe(strategy, model, element_spec, step_name="train_step") -> list:
     with _built_outside_the_step(optimizers_of(model), strategy):
         traced = tf.function(lambda batch: strategy.run(lambda share: _step_logs(model, step_name, share), args=(batch,)),
                              autograph=False).get_concrete_function(element_spec)
+    draws = unsaved_draws(traced.graph) if step_name == "train_step" else []
+    if draws:
+        log.warning(inexact_resume_note(f"{type(model).__name__}.{step_name}", draws))
     return list(traced.structured_outputs)
 
 
