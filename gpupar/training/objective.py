@@ -165,7 +165,7 @@ class Objective:
             raise GpuparError("the model has no loss: compile it with one in model_fn (model.compile(loss=...)) or pass "
                               "loss=..., or add one in the model (self.add_loss)")
         self.metrics: List[MetricTerm] = []
-        if len(keys) > 1:  # as Keras' compile: each output's loss, unweighted, under "<output>_loss"
+        if len(self.losses) > 1:  # as Keras' compile: each output's loss, unweighted, under "<output>_loss"
             for term in self.losses:
                 name = self._log_name("loss", term.key, output_names, False)
                 self.metrics.append(MetricTerm(term.key, keras.metrics.Mean(name=name), name, loss=term))

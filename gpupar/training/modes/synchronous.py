@@ -9,7 +9,7 @@ from gpupar.runtime.strategy import STRATEGIES, detected_plan, jit_compile_refus
 from gpupar.training.inner_loop import timed_loop_iterations
 from gpupar.training.modes.mode import Mode
 from gpupar.training.steps.compiled import CompiledStep
-from gpupar.training.steps.own import own_step
+from gpupar.training.steps.own import build_compiled_metrics, own_step
 from gpupar.training.steps.step import LocalCalls, evaluation, no_evaluation
 from gpupar.training.trainer import Placement
 
@@ -53,6 +53,7 @@ class Synchronous(Mode):
     def own_step(self, model, train, data, placement, global_batch, eval_batch, validation_steps, jit_compile):
         """The OwnStep of a model with its own train_step, traced on the input's shapes before any restore."""
         strategy, per_pipeline = placement.strategy, _per_pipeline(placement)
+        build_compiled_metrics(strategy, model, train.sample())
         spec = train.distribute(strategy, global_batch, 0, None, per_pipeline).element_spec
         eval_spec = None
         if data is not None:

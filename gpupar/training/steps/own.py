@@ -33,25 +33,47 @@ _KERAS_MODEL = keras.Model
 
 
 def has_own_step(model) -> bool:
-    """Whether the model's class overrides train_step (a test_step alone is refused).
+    """Whether the model's class overrides train_step, or compute_loss (which Keras' own train_step then calls).
+
+    Either way the step is the model's: gpupar runs its train_step (Keras' around its own
+    compute_loss) as model.fit does. A test_step alone is refused.
 
     Raises:
-      GpuparError: the class overrides test_step but not train_step.
+      GpuparError: the class overrides test_step but neither train_step nor compute_loss.
     """
     own_train = type(model).train_step is not _KERAS_MODEL.train_step
-    if not own_train and type(model).test_step is not _KERAS_MODEL.test_step:
+    own_loss = type(model).compute_loss is not _KERAS_MODEL.compute_loss
+    if not own_train and not own_loss and type(model).test_step is not _KERAS_MODEL.test_step:
         raise GpuparError(f"{type(model).__name__} overrides test_step but not train_step; gpupar trains such a model "
                           "with its own step, which evaluates with the compiled loss and metrics: override train_step "
                           "too, or put the evaluation in the compiled metrics")
-    return own_train
+    return own_train or own_loss
 
 
 def own_step_note(model) -> str:
     """The log line that says what gpupar leaves to a model's own train_step, and what it still does."""
-    return (f"step: {type(model).__name__}'s own train_step on each replica, as model.fit runs it; its losses are its "
+    name = type(model).__name__
+    step = (f"{name}'s own train_step" if type(model).train_step is not _KERAS_MODEL.train_step
+            else f"Keras' train_step around {name}'s own compute_loss")
+    return (f"step: {step} on each replica, as model.fit runs it; its losses are its "
             "own (Keras' loss objects are right across replicas; gpupar.global_mean reduces per-example values over "
             "the global batch; a value it logs from a loss object reads 1/replicas of it, as under model.fit), while "
             "random draws differ per replica and batch-norm statistics are averaged")
+
+
+def build_compiled_metrics(strategy, model, sample):
+    """Builds the compiled metrics of a model that Keras' own train_step trains, from one sample batch, in the scope.
+
+    Keras makes a compiled metric's variables on its first update (model.fit builds them
+    symbolically first); inside the replicated step they could not be made. Built here on one
+    eager batch, then reset.
+    """
+    if type(model).train_step is not _KERAS_MODEL.train_step:
+        return  # the model's own step keeps its metrics as it made them
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(sample)
+    with strategy.scope():
+        model.compute_metrics(x, y, model(x, training=False), sample_weight=sample_weight)
+    model.reset_metrics()
 
 
 def global_mean(values, sample_weight=None):
