@@ -57,7 +57,7 @@ def _define_flags():
             flags.DEFINE_string("resume_from", None, "Restore this checkpoint, e.g. runs/m/ckpt-3.")
         elif hint is bool:
             flags.DEFINE_boolean(name, default, text)
-        elif int in (hint, *typing.get_args(hint)):
+        elif int in (hint, *typing.get_args(hint)) and str not in typing.get_args(hint):
             flags.DEFINE_integer(name, default, text)
         elif float in (hint, *typing.get_args(hint)):
             flags.DEFINE_float(name, default, text)

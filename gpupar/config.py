@@ -26,11 +26,12 @@ STRATEGIES = ("auto", "one_device", "mirrored", "central_storage", "multi_worker
 STRATEGY_CHOICES = (*STRATEGIES, "model_parallel")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
 NAN_POLICIES = ("stop", "skip")
-PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16", "auto")
 _DEVICE_NAME = re.compile(r"^/(device:)?(cpu|gpu):\d+$", re.IGNORECASE)
 _THREADS_HINT = " (0 leaves it to TensorFlow), or empty to let gpupar choose"
 VERBOSE = ("auto", 0, 1, 2)
 STEPS_PER_CALL = 10  # train steps per tf.function call when neither steps_per_call nor display_step says
+AUTO, AUTO_MOST_STEPS = "auto", 1000  # steps_per_call=auto, and the most steps it may put in one call
 
 
 # Each field's own rule: a function (name, value) that raises GpuparError for a bad value.
@@ -40,6 +41,14 @@ def whole(least: int):
         hint = _THREADS_HINT if name.endswith("_threads") else ""
         bound = "> 0" if least == 1 else f">= {least}"
         _check(_is_int(value) and value >= least, f"{name}={quote(value)}: must be a whole number {bound}{hint}")
+    return rule
+
+
+def whole_or_auto(least: int):
+    """A whole number >= least, or "auto"."""
+    def rule(name, value):
+        _check(value == AUTO or (_is_int(value) and value >= least), f"{name}={quote(value)}: must be a whole number "
+               f">= {least}, or auto")
     return rule
 
 
@@ -191,7 +200,7 @@ class StepOptions(Options):
       learning_rate: Adam learning rate.
       accumulate_steps: Add up the gradients of this many batches on each replica, then all-reduce and update once: one step on an N-times larger batch, in the memory of one batch (synchronous strategies).
       nan_policy: A step with a NaN or Inf loss or gradient: stop (error, last checkpoint kept) or skip it.
-      precision: float32, mixed_bfloat16 (CPUs with bfloat16 units, TPUs) or mixed_float16 (GPUs; with dynamic loss scaling).
+      precision: float32, mixed_bfloat16 (CPUs with bfloat16 units, GPUs of compute capability 8.0+), mixed_float16 (GPUs of 7.x; with dynamic loss scaling), or auto: the fastest of them these devices have (the MNIST presets' default).
       jit_compile: Compile each train step with XLA (one replica only: tf.distribute's all-reduce cannot be compiled).
     """
 
@@ -255,7 +264,7 @@ class LoopOptions(Options):
       validation_freq: Evaluate after every this many epochs, as model.fit's validation_freq.
       verbose: What the run prints, as model.fit's verbose: 0 nothing but warnings, 1 a progress bar on a terminal (else one line per epoch), 2 one line per epoch, auto 1.
       display_step: Also print a progress line every this many steps; empty: none between epochs.
-      steps_per_call: Train steps run inside one tf.function call (model.compile's steps_per_execution); empty: display_step steps, or 10, capped at the epoch, so the host reads results once per call.
+      steps_per_call: Train steps run inside one tf.function call (model.compile's steps_per_execution); auto: picked from the host's measured overhead per call against the step's time (said in the log); empty: display_step steps, or 10, capped at the epoch.
       stop_at: Stop after the first epoch whose logs reach these, e.g. "val_accuracy=0.9" (a loss: at or below); empty trains all epochs.
       checkpoint_every_steps: Also save within an epoch every this many steps; empty saves per epoch only.
       profile_steps: Capture a TensorBoard profile of this run's steps FIRST,LAST (e.g. 20,40) into log_dir.
@@ -267,26 +276,32 @@ class LoopOptions(Options):
     validation_freq: int = 1
     verbose: Union[int, str] = "auto"
     display_step: Optional[int] = None
-    steps_per_call: Optional[int] = None
+    steps_per_call: Optional[Union[int, str]] = None
     stop_at: Optional[Mapping[str, float]] = None
     checkpoint_every_steps: Optional[int] = None
     profile_steps: Optional[Tuple[int, int]] = None
 
     _rules = {"epochs": whole(0), "initial_epoch": whole(0), "steps_per_epoch": optional(whole(1)),
-              "validation_freq": whole(1), "display_step": optional(whole(1)), "steps_per_call": optional(whole(1)),
+              "validation_freq": whole(1), "display_step": optional(whole(1)),
+              "steps_per_call": optional(whole_or_auto(1)),
               "checkpoint_every_steps": optional(whole(1))}
 
     def _parse(self):
         self._set("stop_at", _parse_stop_at(self.stop_at))
         self._set("profile_steps", _parse_profile_steps(self.profile_steps))
-        if isinstance(self.verbose, str) and self.verbose.isdigit():  # a flag gives a string
-            self._set("verbose", int(self.verbose))
+        for name in ("verbose", "steps_per_call"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.isdigit():  # a flag gives a string
+                self._set(name, int(value))
 
     def _check(self):
         _check(self.verbose in VERBOSE, f"verbose={quote(self.verbose)} is unknown; choose one of: 'auto', 0, 1, 2")
 
     def steps_in_a_call(self, steps_per_epoch: int) -> int:
-        """Train steps per tf.function call: steps_per_call, else display_step (or 10) capped at the epoch."""
+        """Train steps per tf.function call: steps_per_call, else display_step (or 10) capped at the epoch; for auto,
+        the most a call may take (the loop's tuner picks fewer: gpupar.training.observers.StepsPerCallTuner)."""
+        if self.steps_per_call == AUTO:
+            return min(AUTO_MOST_STEPS, steps_per_epoch)
         return self.steps_per_call or min(self.display_step or STEPS_PER_CALL, steps_per_epoch)
 
     def evaluates_after(self, epoch: int) -> bool:

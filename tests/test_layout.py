@@ -88,7 +88,8 @@ def test_the_walk_finds_a_circle_when_there_is_one():
 ORDER = {
     "gpupar": ["errors", "config", "runtime", "data", "models", "monitor", "training", "presets", "commands",
                "__init__", "cli", "__main__"],
-    "gpupar.runtime": ["startup", "teardown", "nvml", "network", "cluster", "devices", "strategy", "stages", "launch"],
+    "gpupar.runtime": ["startup", "teardown", "nvml", "network", "cluster", "precision", "devices", "strategy", "stages",
+                       "launch"],
     "gpupar.data": ["idx", "tfds", "augment", "array_pipeline", "mnist_images", "adapters"],
     "gpupar.data.adapters": ["adapter", "arrays", "python_batches", "dataset", "dataset_fn", "generator", "py_dataset",
                              "tfds_name"],

@@ -21,6 +21,7 @@ from gpupar.config import Config
 from gpupar.errors import GpuparError
 from gpupar.monitor import bottleneck
 from gpupar.monitor.bottleneck import InputWait
+from gpupar.runtime.precision import machine_precision
 from gpupar.training import modes
 from gpupar.training.setup import build_trainer
 
@@ -62,6 +63,9 @@ class Report:
       bound_by: "train step", "input pipeline", or "input pipeline sharing the CPU with the step".
       recommendations: What to change, most likely first.
       notes: What the figures cannot tell here.
+      precisions: {format: {"examples_per_second": ..., "loss": ...}} of float32 and the devices'
+        faster format, trained from the same weights on the same batches as training runs
+        (compare_precisions); {} where the devices have none or the model is built already.
     """
 
     strategy: str
@@ -75,6 +79,7 @@ class Report:
     bound_by: str
     recommendations: tuple
     notes: tuple = ()
+    precisions: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
         """The report as indented JSON, for `gpupar diagnose --json`."""
@@ -93,6 +98,12 @@ class Report:
                      f"{self.together_examples_per_second / self.step_examples_per_second:.0%} of the step alone: "
                      f"{'input-bound' if self.input_bound else 'not input-bound'}; training is bound by the {self.bound_by}")
         lines += [f"  recommended: {text}" for text in self.recommendations]
+        if len(self.precisions) == 2:
+            (_, plain), (fast_name, fast) = self.precisions.items()
+            lines.append(f"number format: {fast_name} at {fast['examples_per_second'] / plain['examples_per_second']:.2f}x "
+                         f"float32's rate ({fast['examples_per_second']:,.0f} against "
+                         f"{plain['examples_per_second']:,.0f} examples/s); mean loss of the same {self.steps} steps "
+                         f"{fast['loss']:.4f} against {plain['loss']:.4f}")
         lines += [f"  note: {text}" for text in self.notes]
         return "\n".join(lines)
 
@@ -181,6 +192,7 @@ def diagnose(config: Config, task, mode, steps: int = 30) -> Report:
 
     rates = [steps * trainer.global_batch / seconds for seconds in (input_seconds, step_seconds, together_seconds)]
     input_bound, bound_by = verdict(*rates)
+    precisions = compare_precisions(config, task, mode, steps, trainer.placement.devices)
     virtual_cpus = not trainer.on_gpus and trainer.replicas > 1
     return Report(
         strategy=trainer.description.split(";")[0], global_batch=trainer.global_batch, steps=steps,
@@ -189,5 +201,30 @@ def diagnose(config: Config, task, mode, steps: int = 30) -> Report:
         recommendations=tuple(bottleneck.likely_causes(config.input, task.train.input_bound_hints(), rates[0], rates[1])
                               if input_bound
                               else ["training is bound by the step: the input pipeline needs no change"]),
-        notes=(VIRTUAL_CPU_NOTE,) if virtual_cpus else (),
+        notes=(VIRTUAL_CPU_NOTE,) if virtual_cpus else (), precisions=precisions,
     )
+
+
+def compare_precisions(config: Config, task, mode, steps: int, devices) -> dict:
+    """{format: {"examples_per_second", "loss"}} of float32 and the devices' faster format (gpupar.runtime.precision).
+
+    Each trains from the same seeded weights on the same batches, WARM_UP_STEPS then `steps`
+    timed steps, as training runs them; the loss is the mean over the timed steps. {} where the
+    devices have no faster format, the mode's step keeps float32, or the model is built already
+    (its dtype policy is its own).
+    """
+    plan = machine_precision([d for d in devices if d.startswith("/gpu")])
+    if not plan.fast or not mode.takes_step_options or task.model is not None:
+        return {}
+    seeded, measured = dataclasses.replace(task, seeded=True), {}
+    for precision in ("float32", plan.precision):
+        trainer = build_trainer(config.replace(precision=precision), seeded, mode)
+        iterator = trainer.start(0)
+        trainer.run_calls(iterator, WARM_UP_STEPS, first_call=True)
+        started = time.perf_counter()
+        results = trainer.run_calls(iterator, steps)
+        loss = (results.loss / max(results.kept_examples, 1.0) if results.step_logs is None
+                else next(iter(results.step_logs.values()), 0.0))  # a model's own step: its first log, the last step's
+        measured[precision] = {"examples_per_second": steps * trainer.global_batch / (time.perf_counter() - started),
+                               "loss": loss}
+    return measured

@@ -36,13 +36,15 @@ def stage_ends(options: MnistOptions) -> tuple:
     return lstm.stage_ends(options.lstm_layers) if options.model == "lstm" else convnet.STAGE_ENDS
 
 
-def build_model(options: MnistOptions, precision: str, seed: int):
-    """The model `options.model` names, in the run's precision, led by the augmentation layer where it augments on the device."""
-    dtype = None if precision == "float32" else precision
+def build_model(options: MnistOptions, seed: int):
+    """The model `options.model` names, led by the augmentation layer where it augments on the device.
+
+    Its layers compute in the dtype policy the run sets around the build (its precision).
+    """
     if options.model == "lstm":
-        model = lstm.build_lstm(options.lstm_layers, options.lstm_units, seed=seed, dtype=dtype)
+        model = lstm.build_lstm(options.lstm_layers, options.lstm_units, seed=seed)
     else:
-        model = convnet.build_convnet(options.dropout, options.sync_batch_norm, seed=seed, dtype=dtype)
+        model = convnet.build_convnet(options.dropout, options.sync_batch_norm, seed=seed)
     if options.augment and options.augment_on == "device":
         return keras.Sequential([keras.Input((28, 28, 1)), RandomAffine(seed, dtype="float32"), *model.layers],
                                 name=model.name)
@@ -133,8 +135,8 @@ def mnist_run(config: Config, options: MnistOptions, optimizer=None, callbacks=(
     config = config.replace(**changes) if changes else config
     load = functools.lru_cache(maxsize=None)(lambda: mnist_images.load_splits(options.dataset, options.data_dir))
     where = options.data_dir or f"TFDS {options.dataset}"
-    precision, seed = config.step.precision, config.seed
-    task = Task(build_model=lambda: build_model(options, precision, seed),
+    seed = config.seed
+    task = Task(build_model=lambda: build_model(options, seed),
                 train=MnistArrays(load, "train", where, options), evaluation=MnistArrays(load, "test", where, options),
                 loss=LOSS, metrics=METRICS, optimizer=optimizer, callbacks=tuple(callbacks),
                 signature=options.signature())

@@ -67,7 +67,7 @@ class MnistOptions(Options):
 
 OPTION_NAMES = MnistOptions.field_names()
 # The Config options whose defaults the presets (and so the gpupar command) set otherwise than model.fit's.
-PRESET_DEFAULTS = {"epochs": 5, "display_step": 10, "verbose": 2}
+PRESET_DEFAULTS = {"epochs": 5, "display_step": 10, "verbose": 2, "precision": "auto"}
 PER_REPLICA_BATCH = 1024  # the presets' batch, per replica, where neither batch option is given
 
 

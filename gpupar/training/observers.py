@@ -8,7 +8,9 @@ TensorBoard scalars and the metrics file; the user's Keras callbacks are one mor
 
 import dataclasses
 import logging
+import math
 import statistics
+import time
 from typing import Callable, Dict, List, Optional
 
 import keras
@@ -103,6 +105,58 @@ class Observer:
 
     def close(self):
         """Releases what it holds; called once, whatever happened."""
+
+
+OVERHEAD_SHARE = 0.05  # steps_per_call=auto: the host's work per call may cost at most this share of the steps' time
+MEASURED_CALLS = 3  # calls after the first (traced) whose timings decide it
+
+
+def steps_per_call_for(overhead_seconds: float, step_seconds: float, most: int,
+                       share: float = OVERHEAD_SHARE) -> int:
+    """The fewest steps per call whose time outweighs the host's overhead per call by 1/share, within [1, most].
+
+    Keras 3 dropped tf-keras' steps_per_execution="auto"; the trade is the same: more steps per
+    call amortise the host's work (the call, reading its results, the callbacks), fewer keep the
+    progress and the callbacks frequent.
+    """
+    if step_seconds <= 0:
+        return most
+    needed = round(max(overhead_seconds, 0.0) / (share * step_seconds), 6)  # no step more for a rounding error
+    return max(1, min(most, math.ceil(needed)))
+
+
+class StepsPerCallTuner(Observer):
+    """steps_per_call=auto: a few calls of few steps are timed, then every call takes steps_per_call_for's count.
+
+    A call's wall time less the time its steps took in the graph (the steps and their input
+    waits, gpupar.training.inner_loop) is the host's overhead; the first call, which traces, is
+    left out. The choice is said in the log once.
+    """
+
+    def __init__(self, most: int, probe_steps: int = 2):
+        self.most, self.probe_steps = most, probe_steps
+        self.chosen, self.began, self.calls, self.samples = None, 0.0, 0, []
+
+    def call_size(self, done: int, num: int) -> int:
+        return min(num, self.chosen or self.probe_steps)
+
+    def on_call_begin(self, done: int):
+        self.began = time.perf_counter()
+
+    def on_call_end(self, call: CallEnd):
+        wall, results = time.perf_counter() - self.began, call.results
+        self.calls += 1
+        if self.chosen is not None or self.calls == 1 or not results.steps or results.busy is None:
+            return
+        in_graph = results.busy + (results.waited or 0.0)
+        self.samples.append((wall - in_graph, results.busy / results.steps))
+        if len(self.samples) == MEASURED_CALLS:
+            overhead = statistics.median(o for o, _ in self.samples)
+            step = statistics.median(s for _, s in self.samples)
+            self.chosen = steps_per_call_for(overhead, step, self.most)
+            log.info("steps per call: auto chose %d: the host's work takes %.2f ms per call, a step %.2f ms (at most "
+                     "%d%% of the time goes to the host)", self.chosen, overhead * 1e3, step * 1e3,
+                     round(OVERHEAD_SHARE * 100))
 
 
 def _workers_note(by_worker) -> str:

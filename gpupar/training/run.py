@@ -13,7 +13,7 @@ import time
 
 import tensorflow as tf
 
-from gpupar.config import Config
+from gpupar.config import AUTO, Config
 from gpupar.data.adapters import input_errors
 from gpupar.monitor import utilisation
 from gpupar.runtime.cluster import detect_cluster
@@ -22,7 +22,7 @@ from gpupar.training.checkpoint import Checkpoints, ModelDirLock, Position
 from gpupar.training.interrupt import StopRequests
 from gpupar.training.loop import Loop
 from gpupar.training.observers import (GpuUse, InputWaitMonitor, KerasCallbacks, MetricsFile, Observers, Profile,
-                                       ProgressLog, TensorBoardScalars)
+                                       ProgressLog, StepsPerCallTuner, TensorBoardScalars)
 from gpupar.training.outputs import describe_outputs, resolve_outputs
 from gpupar.training.result import FitResult, format_logs
 from gpupar.training.setup import build_trainer
@@ -161,6 +161,8 @@ def _observers(config: Config, outputs, trainer, task, write_metrics) -> Observe
         observers.append(GpuUse(sampler))
     if config.loop.profile_steps:
         observers.append(Profile(config.loop.profile_steps, outputs.log_dir))
+    if config.loop.steps_per_call == AUTO and trainer.steps_per_call > 1:
+        observers.append(StepsPerCallTuner(trainer.steps_per_call))
     observers.append(KerasCallbacks(task.callbacks, trainer.model, config.loop.epochs, trainer.steps_per_epoch,
                                     verbose=1 if verbose == "auto" else verbose, progress_bar=bar))
     return Observers(observers)

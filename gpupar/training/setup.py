@@ -18,6 +18,7 @@ import tensorflow as tf
 from gpupar.errors import GpuparError, TensorFlowStarted
 from gpupar.models.layers import fall_back_from_xla, global_seed_generator, replica_consistent_state, xla_batch_norm_error
 from gpupar.runtime.devices import configure_devices
+from gpupar.runtime.precision import PrecisionPlan, machine_precision
 from gpupar.training.inner_loop import unpack
 from gpupar.training.objective import Objective
 from gpupar.training.steps.own import has_own_step, own_step_note
@@ -46,6 +47,7 @@ def build_trainer(config, task, mode, cluster=None) -> Trainer:
     mode.refuse_task(task)
     _refuse_accumulation(task.train, step_options)
     devices, placement = _placed(config.device_setup, cluster, task, mode)
+    step_options = _precision_resolved(step_options, placement, mode, task)
     if step_options.precision == "mixed_float16" and not placement.on_gpus:
         log.warning("precision=mixed_float16 without a GPU: the CPU emulates much of float16 math; "
                     "mixed_bfloat16 is the CPU's mixed precision")
@@ -88,7 +90,7 @@ def build_trainer(config, task, mode, cluster=None) -> Trainer:
         calls=mode.calls(step, placement), make_input=mode.make_input(train, placement, global_batch),
         evaluate=mode.evaluation(step, evaluation, placement, eval_batch, config.input.validation_steps),
         weights_finite=finite_check(model), global_batch=global_batch, steps_per_epoch=steps_per_epoch,
-        steps_per_call=loop.steps_per_call or mode.steps_per_call or loop.steps_in_a_call(steps_per_epoch),
+        steps_per_call=_steps_per_call(loop, mode, steps_per_epoch),
         signature=task.signature or _signature(model),
         learning_rate=None if compiled.optimizer is not None else step_options.learning_rate,
         visible_gpus=devices.visible_gpus, given_model=task.model if task.model is not model else None,
@@ -98,6 +100,42 @@ def build_trainer(config, task, mode, cluster=None) -> Trainer:
 def _scales_the_loss(optimizer, step_options) -> bool:
     """Whether the optimizer is a loss-scale optimizer of mixed_float16 (not nan_policy=skip's, reset every call)."""
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and step_options.nan_policy != "skip"
+
+
+_HINTED = set()  # the faster formats the log has pointed out in this process
+
+
+def _precision_resolved(step_options, placement, mode, task):
+    """The step options with precision=auto made the fastest format these devices train as well in, said in the log.
+
+    float32 where the mode's step is its own or the model is built already (its own dtype policy
+    stands), and where auto's float16 would meet nan_policy=skip. A float32 run on devices with a
+    faster format says so, once per process, as model.fit keeps float32 unless asked.
+    """
+    plan = machine_precision([d for d in placement.devices if d.startswith("/gpu")])
+    if step_options.precision == "float32":
+        if plan.fast and plan.precision not in _HINTED:
+            _HINTED.add(plan.precision)
+            log.info("precision: float32, as model.fit's; these devices train faster in %s (%s): pass precision=%r "
+                     "or 'auto'", plan.precision, plan.reason, plan.precision)
+        return step_options
+    if step_options.precision != "auto":
+        return step_options
+    if not mode.takes_step_options or task.model is not None:
+        plan = PrecisionPlan("float32", f"strategy={mode.name} computes in float32" if task.model is None
+                             else "the model is built already, in its own dtype policy")
+    elif plan.precision == "mixed_float16" and step_options.nan_policy == "skip":
+        plan = PrecisionPlan("float32", "mixed_float16's loss scaling already skips steps, and nan_policy=skip asks it")
+    log.info("precision: auto chose %s: %s", plan.precision, plan.reason)
+    return dataclasses.replace(step_options, precision=plan.precision)
+
+
+def _steps_per_call(loop, mode, steps_per_epoch: int) -> int:
+    """Steps in one call: steps_per_call given, else the mode's own (parameter servers: 1, even for auto, whose
+    calls are scheduled), else the loop options' (for auto, the most the loop's tuner may pick)."""
+    if isinstance(loop.steps_per_call, int):
+        return loop.steps_per_call
+    return mode.steps_per_call or loop.steps_in_a_call(steps_per_epoch)
 
 
 def _refuse_accumulation(train, step_options):

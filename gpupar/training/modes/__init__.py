@@ -68,7 +68,7 @@ def _refuse_step_options(step, name: str):
     if step.accumulate_steps != 1:
         raise GpuparError(f"accumulate_steps={step.accumulate_steps} adds up gradients in a synchronous step; "
                           f"strategy={name} has steps of its own; use accumulate_steps=1")
-    if step.precision != _STEP_DEFAULTS.precision or step.jit_compile:
+    if step.precision not in (_STEP_DEFAULTS.precision, "auto") or step.jit_compile:  # auto: float32 there
         raise GpuparError(f"precision and jit_compile are not available with strategy={name} (its step is its own); "
                           "use precision=float32 and no jit_compile")
     if step.nan_policy != _STEP_DEFAULTS.nan_policy:
