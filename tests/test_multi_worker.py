@@ -142,10 +142,12 @@ def test_a_model_with_its_own_train_step_trains_on_two_workers_to_the_same_weigh
 
 
 @pytest.mark.slow
-def test_the_parameter_server_script_runs_unchanged_on_synchronous_workers(tmp_path):
-    """tests/scripts/user_dataset_fn.py, run with ps tasks in test_parameter_server.py, on two workers alone."""
+@pytest.mark.parametrize("form", [[], ["guide"]], ids=["model_fn", "two_renames"])
+def test_the_parameter_server_script_runs_unchanged_on_synchronous_workers(tmp_path, form):
+    """tests/scripts/user_dataset_fn.py, run with ps tasks in test_parameter_server.py, on two workers alone; also
+    written to Keras' multi-GPU guide (gpupar.strategy() joins the cluster, gpupar.fit(model, ...))."""
     script = os.path.join(os.path.dirname(__file__), "scripts", "user_dataset_fn.py")
-    launch = Launch(["--workers=2"], [sys.executable, script, str(tmp_path / "model"), "2"])
+    launch = Launch(["--workers=2"], [sys.executable, script, str(tmp_path / "model"), "2", *form])
     status = launch.finish(timeout=240)
     assert status == 0, launch.output[-3000:]
     launch.assert_no_strays()

@@ -120,6 +120,18 @@ def test_a_users_script_trains_on_parameter_servers_with_its_embedding_split_ove
 
 
 @pytest.mark.slow
+def test_a_script_written_to_keras_guide_trains_on_parameter_servers_with_two_renames(tmp_path):
+    """gpupar.strategy() first thing joins the cluster (the ps and worker tasks serve there), the chief builds and
+    compiles under its scope, and gpupar.fit(model, dataset_fn, ...) trains the model as it is."""
+    launch = _user_launch(["--workers=2", "--ps=1"], tmp_path / "model", 2, "guide")
+    status = launch.finish(timeout=240)
+    assert status == 0, _chief_lines(launch.output)[-4000:]
+    launch.assert_no_strays()
+    assert re.search(r"\[chief:0\] user_dataset_fn done: strategy: ParameterServerStrategy .*val_accuracy (0\.[89]|1\.0)",
+                     launch.output), _chief_lines(launch.output)[-3000:]
+
+
+@pytest.mark.slow
 def test_a_users_script_on_parameter_servers_survives_a_killed_worker_and_a_killed_chief(tmp_path):
     model_dir = tmp_path / "model"
     launch = _user_launch(["--workers=2", "--ps=1", "--restarts=2"], model_dir, 40)
