@@ -107,10 +107,11 @@ USER_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "user_fit.py")
 
 
 @pytest.mark.slow
-def test_a_users_own_script_under_launch_trains_resumes_after_a_killed_worker_and_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("form", [[], ["guide"]], ids=["model_fn", "two_renames"])
+def test_a_users_own_script_under_launch_trains_resumes_after_a_killed_worker_and_leaves_nothing(tmp_path, form):
     model_dir = tmp_path / "model"
     launch = Launch(["--workers=2", "--restarts=1"],
-                    [sys.executable, USER_SCRIPT, str(model_dir), "multi_worker_mirrored", "4"])
+                    [sys.executable, USER_SCRIPT, str(model_dir), "multi_worker_mirrored", "4", *form])
     try:
         launch.kill_when(r"\[worker:0\] Epoch:\[0\] loss:", "worker:1")
         status = launch.finish(timeout=180)
