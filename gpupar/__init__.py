@@ -227,7 +227,9 @@ def diagnose(model, x=None, y=None, batch_size=None, sample_weight=None, *, loss
     """Measures what bounds training of your model on your data: the input pipeline or the step.
 
     Args:
-      model, x, y, batch_size, sample_weight, loss, metrics, optimizer, config, **options: as gpupar.fit's.
+      model, x, y, batch_size, sample_weight, loss, metrics, optimizer, config, **options: as gpupar.fit's. A
+        built model takes the measured steps as training would (its weights move): pass a model_fn to
+        measure on fresh copies.
       steps: Timed steps in each of the three measurements.
 
     Returns:
