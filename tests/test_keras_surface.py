@@ -121,3 +121,33 @@ def test_a_class_that_class_weight_does_not_name_weighs_one():
     assert _max_difference(some.model.get_weights(), every.model.get_weights()) == 0.0
     unweighted = _fit(_penalised, validation_data=None)
     assert _max_difference(some.model.get_weights(), unweighted.model.get_weights()) > 1e-4
+
+
+class EndpointLoss(keras.layers.Layer):
+    """keras-io's endpoint layer pattern: a Keras loss object on the targets the model takes as an input, add_loss."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def call(self, targets, logits):
+        self.add_loss(self.loss_fn(targets, logits))
+        return logits
+
+
+def _endpoint():
+    keras.utils.set_random_seed(3)
+    x, targets = keras.Input((6,)), keras.Input((), dtype="int32")
+    logits = keras.layers.Dense(3)(keras.layers.Dense(8, activation="tanh")(x))
+    model = keras.Model([x, targets], EndpointLoss()(targets, logits))
+    model.compile(optimizer=keras.optimizers.SGD(0.2))
+    return model
+
+
+def test_a_keras_loss_added_in_the_model_is_divided_once_on_several_replicas():
+    """Keras' fit divides it by the replica count twice (the loss object and its add_loss); gpupar once."""
+    x, y = _data()
+    one, two = (gpupar.fit(_endpoint, [x, y], batch_size=32, epochs=2, shuffle=False, verbose=0, save=False, **options)
+                for options in (dict(strategy="one_device"), dict(strategy="mirrored", virtual_cpus=2)))
+    assert _max_difference(one.model.get_weights(), two.model.get_weights()) < 1e-5
+    assert two.history["loss"] == pytest.approx(one.history["loss"], rel=1e-5)

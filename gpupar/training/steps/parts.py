@@ -7,6 +7,8 @@ global loss and its gradients), `accumulated` (N micro-batches, one update), `ag
 leaves the statistics and sums as they were).
 """
 
+import threading
+
 import keras
 import tensorflow as tf
 
@@ -25,12 +27,46 @@ def forward(model, x, training: bool):
 
     The added losses (add_loss, weight penalties) are read right after the call: `model.losses`
     is one list that every replica's call refills, so it must be read before this replica waits
-    on the others (an all-reduce). Keras' random layers draw apart on each replica.
+    on the others (an all-reduce). They are this replica's own values: a Keras loss object called
+    inside the model (add_loss(loss_fn(y, logits)), keras-io's endpoint layer) does not divide by
+    the replica count here, since gpupar divides every added loss once (loss_and_gradients); Keras'
+    fit divides such a loss twice. Keras' random layers draw apart on each replica.
     """
-    with replica_seeds():
-        y_pred = model(x, training=training)
+    _install_per_replica_losses()
+    _PER_REPLICA.depth = getattr(_PER_REPLICA, "depth", 0) + 1
+    try:
+        with replica_seeds():
+            y_pred = model(x, training=training)
+    finally:
+        _PER_REPLICA.depth -= 1
     added = list(model.losses)
     return as_float32(y_pred), added
+
+
+_PER_REPLICA = threading.local()  # how deep in forward() this thread (a replica's) is
+_INSTALL = threading.Lock()
+
+
+def _install_per_replica_losses():
+    """Wraps Keras' scale_loss_for_distribution, once per process, to leave a loss as it is inside forward().
+
+    Keras' loss objects divide their value by the strategy's replica count as they reduce it
+    (keras/src/losses/loss.py, reduce_values, which looks the function up in its module when it
+    runs); MirroredStrategy runs each replica in a thread of its own, so forward() says per thread
+    that it runs.
+    """
+    from keras.src.losses import loss as keras_loss
+
+    with _INSTALL:
+        scale = keras_loss.scale_loss_for_distribution
+        if getattr(scale, "gpupar_per_replica", False):
+            return
+
+        def scale_outside_forward(value):
+            return value if getattr(_PER_REPLICA, "depth", 0) else scale(value)
+
+        scale_outside_forward.gpupar_per_replica = True
+        keras_loss.scale_loss_for_distribution = scale_outside_forward
 
 
 def loss_and_gradients(model, objective, variables, x, y, sample_weight, loss_scale=None,
