@@ -100,7 +100,7 @@ def _nvidia_smi() -> List[str]:
 
 
 @dataclasses.dataclass
-class Task:
+class TaskProcess:
     """One started process and its place in the cluster."""
 
     name: str
@@ -166,7 +166,7 @@ class Launcher:
         self.command, self.restarts = task_command(args), restarts
         self.out = out or sys.stdout
         self.lock = threading.Lock()
-        self.tasks: Dict[str, Task] = {}
+        self.tasks: Dict[str, TaskProcess] = {}
         self.stopping = None  # the signal that asked us to stop, if any
 
     def say(self, message: str):
@@ -188,7 +188,7 @@ class Launcher:
         reader = threading.Thread(target=_stream, args=(cluster.task_name, process.stdout, self.out, self.lock, quiet),
                                   daemon=True)
         reader.start()
-        self.tasks[cluster.task_name] = Task(cluster.task_name, cluster, process, reader)
+        self.tasks[cluster.task_name] = TaskProcess(cluster.task_name, cluster, process, reader)
         where = f"GPU(s) {','.join(gpus)}" if gpus else "no GPU" if self.gpus else "CPU"
         self.say(f"started {cluster.task_name} (pid {process.pid}) on {self.jobs[job][index]}, {where}")
 
@@ -197,7 +197,7 @@ class Launcher:
             for index in range(len(self.jobs.get(job, ()))):
                 self.start(job, index, command)
 
-    def kill(self, task: Task, sig=signal.SIGKILL):
+    def kill(self, task: TaskProcess, sig=signal.SIGKILL):
         if task.process.poll() is None:
             try:
                 os.killpg(task.process.pid, sig)
