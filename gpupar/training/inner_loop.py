@@ -25,7 +25,7 @@ class _RetracingNotes(logging.Filter):
 
     def filter(self, record):
         message = record.getMessage()
-        return not ("retracing" in message and ("steps_in_one_call" in message or "make_finite_check" in message))
+        return not ("retracing" in message and ("steps_in_one_call" in message or "finite_check" in message))
 
 
 logging.getLogger("tensorflow").addFilter(_RetracingNotes())
