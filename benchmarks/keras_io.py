@@ -1,6 +1,6 @@
 """gpupar.fit against Keras' model.fit on five keras-io programs, at 1 and 2 replicas, in float32 and bfloat16.
 
-    python -m benchmarks.keras_io                                  # about 20 minutes on an idle 2-core machine
+    python -m benchmarks.keras_io                                  # about 24 minutes on an idle 2-core machine
     python -m benchmarks.keras_io --quick --json=/tmp/kio.json     # the tests' data, 2 epochs, 1 round
     python benchmarks/keras_io.py --examples=mnist_convnet --scale=8 --epochs=3 --repeats=1 --precisions=float32
 
@@ -38,9 +38,11 @@ examples_per_second and seconds (training alone). The tables give medians over t
 differences and ratios are medians of the per-round differences and ratios: gpupar.fit against
 model.fit at the same replicas and precision, and bfloat16 against float32 for each runner.
 
-Time: 5 programs x 2 replicas x 2 precisions x 2 runners = 40 processes per round, 10-30 s each
-(4-5 s of TensorFlow's start, 2-12 s of tracing, 2 timed epochs of 1-4 s); the default 2 rounds,
-about 20 minutes on an idle 2-core machine.
+Time: 36 processes per round (5 programs x 2 replicas x 2 precisions x 2 runners, less the
+transformer's 4 in bfloat16, which cannot run: CANNOT_RUN), each 13-42 s on an idle 2-core
+machine (measured: 4-5 s of TensorFlow's start, 3-17 s of the first epoch's tracing, 2 timed
+epochs of 1-8 s; the U-Net's tracing and the LSTM in bfloat16 are the longest); the default 2
+rounds take about 24 minutes.
 """
 
 import importlib
@@ -72,8 +74,8 @@ KINDS = {  # each port, and the kind of program it stands for
 }
 EXAMPLES = tuple(KINDS)
 # Each program's default data scale: an epoch of 1-5 s on 2 cores (training examples per epoch: 18,432 images,
-# 2,048 and 8,192 reviews, 1,024 faces, 576 pet images; the LSTM takes about 3x longer in bfloat16).
-SCALES = {"mnist_convnet": 32, "bidirectional_lstm_imdb": 8, "text_classification_with_transformer": 32,
+# 2,048 and 4,096 reviews, 1,024 faces, 576 pet images; the LSTM takes about 2-3x longer in bfloat16).
+SCALES = {"mnist_convnet": 32, "bidirectional_lstm_imdb": 8, "text_classification_with_transformer": 16,
           "dcgan_overriding_train_step": 8, "oxford_pets_image_segmentation": 8}
 RUNNERS = ("fit", "gpupar")  # Keras' model.fit, gpupar.fit
 NAMES = {"fit": "model.fit", "gpupar": "gpupar.fit"}

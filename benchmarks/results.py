@@ -15,7 +15,7 @@ says so, and the command exits with status 1 after the others have run. The tabl
 - train: `make train`'s run (the README's Results table), `gpupar --dataset=fashion_mnist
   --epochs=5` from scratch into WORK_DIR/train, about 40 s;
 - keras_io: `python -m benchmarks.keras_io`, gpupar.fit against model.fit on five keras-io
-  programs, float32 and bfloat16, about 20-25 minutes;
+  programs, float32 and bfloat16, about 24 minutes;
 - own_step: `python -m benchmarks.own_step`, a GAN's own train_step, about 4 minutes;
 - bench: `python -m benchmarks.bench --repeats=3`, the ConvNet against model.fit and the TF1
   tower code, the options, the time to 0.89 accuracy, about 11 minutes;
@@ -156,7 +156,7 @@ def tables(data_dir: str, work_dir: str, quick: bool) -> List[Table]:
     extra = tiny if quick else full
     json_of = {name: os.path.join(work_dir, f"{name}.json") for name in TABLES}
     return [
-        Table("train", "make train: the ConvNet on Fashion-MNIST, 5 epochs", "README.md, Results",
+        Table("train", "make train: the ConvNet on Fashion-MNIST", "README.md, Results",
               [python, "-m", "gpupar", "--dataset=fashion_mnist", f"--data_dir={data_dir}", *extra["train"],
                f"--model_dir={train_dir}", f"--log_dir={train_dir}/tensorboard", f"--metrics_json={json_of['train']}"],
               json_of["train"], train_markdown),
