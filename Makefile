@@ -5,7 +5,7 @@ DATA_DIR ?= /usr/share/datasets/fashion-mnist
 RUN_DIR ?= runs/fashion_mnist
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: venv data train test test-fast bench bench-input bench-pipeline bench-keras-io bench-own-step docs clean
+.PHONY: venv data train test test-fast bench bench-input bench-pipeline bench-keras-io bench-own-step results docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ bench-keras-io: venv
 
 bench-own-step: venv
 	$(VENV)/bin/python -m benchmarks.own_step
+
+# Every table the README and the docs quote, one benchmark after another, into benchmarks/results/RESULTS.md with
+# each table's commit, command, date and machine: about 50 minutes, on an otherwise idle machine.
+results: venv data
+	$(VENV)/bin/python -m benchmarks.results --data_dir=$(DATA_DIR)
 
 # docs/flags.md is generated from Config's field docstrings; a test checks that it is current.
 docs: venv

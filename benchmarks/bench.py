@@ -204,39 +204,40 @@ def headlines(runs: Dict[str, List[dict]]) -> Dict[str, float]:
 
 
 def table(report: dict) -> str:
-    """The report as text: one row per configuration, then the roofline, profile and accuracy lines."""
-    lines = [f"{'configuration':<38}{'replicas':>8}{'img/s median':>14}{'min-max':>17}{'vs fit':>8}"
-             f"{'x1 repl.':>9}{'roofline':>9}{'cores':>6}{'1st step s':>11}{'peak MB':>9}"]
+    """The report as markdown: one row per configuration, then the ratios, roofline, profile and accuracy lines."""
+    lines = ["| configuration | replicas | img/s median | min-max | vs fit | x1 repl. | roofline | cores | 1st step s "
+             "| peak MB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report["configurations"]:
         memory = (r["peak_memory"] or {}).get("gpu_mb", (r["peak_memory"] or {}).get("host_mb"))
-        spread = f"{r['min']:,.0f}-{r['max']:,.0f}"
         lines.append(
-            f"{r['name']:<38}{r['replicas']:>8}{r['median']:>14,.0f}{spread:>17}"
-            f"{_times(r.get('vs_model_fit')):>8}{_times(r.get('vs_one_replica')):>9}"
-            f"{_percent(r.get('roofline_fraction')):>9}{r['cores_busy']:>6.2f}{r['first_step_seconds']:>11.1f}"
-            f"{'' if memory is None else f'{memory:,.0f}':>9}")
+            f"| {r['name']} | {r['replicas']} | {r['median']:,.0f} | {r['min']:,.0f}-{r['max']:,.0f} "
+            f"| {_times(r.get('vs_model_fit'))} | {_times(r.get('vs_one_replica'))} "
+            f"| {_percent(r.get('roofline_fraction'))} | {r['cores_busy']:.2f} | {r['first_step_seconds']:.1f} "
+            f"| {'' if memory is None else f'{memory:,.0f}'} |")
+    lines.append("")
+    notes = []
     for text, ratio in report.get("headlines", {}).items():
-        lines.append(f"{text}: {ratio:.2f}x")
+        notes.append(f"{text}: {ratio:.2f}x")
     if report.get("flops_per_image"):
-        lines.append(f"roofline: {report['flops_per_image'] / 1e6:.2f} MFLOP per image (conv and dense, forward and "
+        notes.append(f"roofline: {report['flops_per_image'] / 1e6:.2f} MFLOP per image (conv and dense, forward and "
                      f"backward) at the matmul rate, float32 {report['matmul']['float32_flops'] / 1e9:,.0f} GFLOP/s, "
                      f"bfloat16 {report['matmul']['bfloat16_flops'] / 1e9:,.0f} GFLOP/s")
     for r in report["configurations"]:
         if r["name"] == GPUPAR and "time_shares" in r:
             shares = ", ".join(f"{part.replace('_', ' ')} {share:.0%}" for part, share in r["time_shares"].items())
-            lines.append(f"gpupar x{r['replicas']}, where the time goes: {shares} ({r['strategy']})")
+            notes.append(f"gpupar x{r['replicas']}, where the time goes: {shares} ({r['strategy']})")
     for replicas, seconds in report.get("op_seconds", {}).items():
         total = sum(v for k, v in seconds.items() if not k.startswith("input"))
         parts = ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])
                           if not k.startswith("input"))
-        lines.append(f"gpupar x{replicas}, op time by kind (profile): {parts}")
+        notes.append(f"gpupar x{replicas}, op time by kind (profile): {parts}")
     accuracy = report.get("time_to_accuracy")
     if accuracy:
         reached = "reached" if accuracy["reached"] else "did NOT reach"
-        lines.append(f"time to {accuracy['target']} test accuracy (gpupar default, 1 replica): {reached} "
+        notes.append(f"time to {accuracy['target']} test accuracy (gpupar default, 1 replica): {reached} "
                      f"{accuracy['test_accuracy']:.4f} after {accuracy['epochs']} epoch(s), "
                      f"{accuracy['seconds']:.0f} s for the whole command")
-    return "\n".join(lines)
+    return "\n".join(lines + [f"- {note}" for note in notes])
 
 
 def _times(value):

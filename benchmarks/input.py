@@ -61,19 +61,19 @@ def _verdicts(rounds) -> str:
 
 
 def table(report) -> str:
-    """The report as a text table, one row per placement, and the device/host ratio."""
-    lines = [f"{'':<20} {'training img/s (median, min-max)':>34} {'pipeline alone':>15} {'step alone':>11}"
-             f" {'input wait':>11}  bound by"]
+    """The report as markdown, one row per placement, and the device/host ratio."""
+    lines = ["| placement | training img/s (median, min-max) | pipeline alone | step alone | input wait | bound by |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for name, values in report["results"].items():
         together = values["together_examples_per_second"]
         lines.append(
-            f"{name:<20} {statistics.median(together):>12,.0f} ({min(together):,.0f}-{max(together):,.0f})"
-            f"{'':>4} {statistics.median(values['input_examples_per_second']):>15,.0f}"
-            f" {statistics.median(values['step_examples_per_second']):>11,.0f}"
-            f" {statistics.median(values['input_wait_fraction']):>11.0%}  {_verdicts(report['bound_by'][name])}")
+            f"| {name} | {statistics.median(together):,.0f} ({min(together):,.0f}-{max(together):,.0f}) "
+            f"| {statistics.median(values['input_examples_per_second']):,.0f} "
+            f"| {statistics.median(values['step_examples_per_second']):,.0f} "
+            f"| {statistics.median(values['input_wait_fraction']):.0%} | {_verdicts(report['bound_by'][name])} |")
     host, device = (statistics.median(report["results"][n]["together_examples_per_second"])
                     for n in ("augment on host", "augment on device"))
-    lines.append(f"augmentation on the device trains {device / host:.2f}x as fast as on the host")
+    lines += ["", f"augmentation on the device trains {device / host:.2f}x as fast as on the host."]
     return "\n".join(lines)
 
 

@@ -1,31 +1,48 @@
-"""gpupar.fit against Keras' model.fit on three keras-io examples, at 1 and 2 replicas: accuracy and speed.
+"""gpupar.fit against Keras' model.fit on five keras-io programs, at 1 and 2 replicas, in float32 and bfloat16.
 
-    python -m benchmarks.keras_io                                  # about 8 minutes on 2 cores
+    python -m benchmarks.keras_io                                  # about 24 minutes on an idle 2-core machine
     python -m benchmarks.keras_io --quick --json=/tmp/kio.json     # the tests' data, 2 epochs, 1 round
-    python benchmarks/keras_io.py --examples=mnist_convnet --scale=8 --epochs=3 --repeats=1
+    python benchmarks/keras_io.py --examples=mnist_convnet --scale=8 --epochs=3 --repeats=1 --precisions=float32
 
-The examples are the ports in tests/keras_io/ (mnist_convnet, bidirectional_lstm_imdb,
-text_classification_with_transformer): each module's model_fn() and train(fit, workdir, scale,
-epochs), whose synthetic data are `scale` times the tests' size. Every (example, runner,
-replicas) combination trains in a fresh process (virtual CPUs and thread pools are fixed once
-TensorFlow starts), one after another, interleaved over `--repeats` rounds so that machine noise
-hits them alike; each round seeds both runners with the round's number (keras.utils.set_random_seed
-before train(); gpupar.fit's seed=, which it gives set_random_seed itself).
+The programs are the ports in tests/keras_io/, one of each kind: mnist_convnet (convolutional),
+bidirectional_lstm_imdb (recurrent), text_classification_with_transformer (transformer),
+dcgan_overriding_train_step (a GAN with its own train_step, fed a tf.data.Dataset) and
+oxford_pets_image_segmentation (a U-Net fed by a keras.utils.PyDataset). Each module has model_fn()
+and train(fit, workdir, scale, epochs), whose synthetic data are `scale` times the tests' size
+(SCALES: each program's default, chosen so that an epoch takes a few seconds here). Every
+(example, replicas, precision, runner) combination trains in a fresh process (virtual CPUs,
+thread pools and the dtype policy are fixed once TensorFlow starts), one after another,
+interleaved over `--repeats` rounds so that machine noise hits them alike; each round seeds both
+runners with the round's number (keras.utils.set_random_seed before train(); gpupar.fit's seed=,
+which it gives set_random_seed itself).
 
 - model.fit: the example's model built and compiled by model_fn(), with no strategy at 1
   replica and inside MirroredStrategy(["/cpu:0", "/cpu:1"])'s scope at 2, whose two virtual CPUs
   gpupar.configure_devices(virtual_cpus=2) makes (so both runners have the same devices and
   thread pools; --keras_threads=tensorflow makes them with tf.config alone, TensorFlow's pools).
+  In bfloat16, keras.config.set_dtype_policy("mixed_bfloat16") before model_fn(). The GAN at 2
+  replicas gets the workaround model.fit needs under MirroredStrategy (mirrored_fit_ready).
 - gpupar.fit: gpupar.fit(model_fn, ...) with strategy="one_device" at 1 replica, and
-  strategy="mirrored", virtual_cpus=2 at 2 (after gpupar.configure_devices(virtual_cpus=2)).
+  strategy="mirrored", virtual_cpus=2 at 2 (after gpupar.configure_devices(virtual_cpus=2));
+  precision="mixed_bfloat16" in bfloat16 (gpupar sets that policy around model_fn).
 
 Both get the example's own fit keywords (the same data, epochs and global batch), with verbose=0.
-Measured: the validation accuracy after the last epoch (the history's val_*accuracy), and
-training examples/s over the epochs after the first (the first includes tracing): for model.fit a
-callback's clock from on_epoch_begin to on_epoch_end less the validation in between
-(on_test_begin to on_test_end), over the training set's size; for gpupar.fit its records'
-examples_per_second and seconds (training alone). The table gives medians over the rounds; the
-difference and the ratio are medians of the per-round differences and ratios.
+Measured: the program's quality after the last epoch, and training examples/s over the epochs
+after the first (the first includes tracing). Quality: the validation accuracy (val_*accuracy)
+where the program has one; the validation loss for the segmentation model (compiled with a loss
+alone); the GAN's last logged d_loss and g_loss (no validation, no accuracy). Examples/s: for
+model.fit a callback's clock (first in the list, so that the program's own callbacks' epoch-end
+work is outside it) from on_epoch_begin to on_epoch_end less the validation in between
+(on_test_begin to on_test_end), over the examples of an epoch; for gpupar.fit its records'
+examples_per_second and seconds (training alone). The tables give medians over the rounds; the
+differences and ratios are medians of the per-round differences and ratios: gpupar.fit against
+model.fit at the same replicas and precision, and bfloat16 against float32 for each runner.
+
+Time: 36 processes per round (5 programs x 2 replicas x 2 precisions x 2 runners, less the
+transformer's 4 in bfloat16, which cannot run: CANNOT_RUN), each 13-42 s on an idle 2-core
+machine (measured: 4-5 s of TensorFlow's start, 3-17 s of the first epoch's tracing, 2 timed
+epochs of 1-8 s; the U-Net's tracing and the LSTM in bfloat16 are the longest); the default 2
+rounds take about 24 minutes.
 """
 
 import importlib
@@ -48,10 +65,28 @@ from benchmarks import script  # noqa: E402
 
 FLAGS = flags.FLAGS
 
-EXAMPLES = ("mnist_convnet", "bidirectional_lstm_imdb", "text_classification_with_transformer")
+KINDS = {  # each port, and the kind of program it stands for
+    "mnist_convnet": "convolutional",
+    "bidirectional_lstm_imdb": "recurrent",
+    "text_classification_with_transformer": "transformer",
+    "dcgan_overriding_train_step": "own train_step",
+    "oxford_pets_image_segmentation": "PyDataset input",
+}
+EXAMPLES = tuple(KINDS)
+# Each program's default data scale: an epoch of 1-5 s on 2 cores (training examples per epoch: 18,432 images,
+# 2,048 and 4,096 reviews, 1,024 faces, 576 pet images; the LSTM takes about 2-3x longer in bfloat16).
+SCALES = {"mnist_convnet": 32, "bidirectional_lstm_imdb": 8, "text_classification_with_transformer": 16,
+          "dcgan_overriding_train_step": 8, "oxford_pets_image_segmentation": 8}
 RUNNERS = ("fit", "gpupar")  # Keras' model.fit, gpupar.fit
 NAMES = {"fit": "model.fit", "gpupar": "gpupar.fit"}
 REPLICAS = (1, 2)
+PRECISIONS = ("float32", "mixed_bfloat16")
+# Combinations that fail under both runners, and why (the table says so in their rows).
+CANNOT_RUN = {("text_classification_with_transformer", "mixed_bfloat16"):
+              "text_classification_with_transformer in mixed_bfloat16, under model.fit and gpupar.fit alike: its "
+              "Input(shape=(maxlen,)) is float32 and holds the token ids, which Keras' autocast rounds to bfloat16 in "
+              "its first layer (id 999 becomes 1000, outside the Embedding's range: \"indices = 1000 is not in "
+              "[0, 1000)\"); keras-io's program would need Input(shape=(maxlen,), dtype=\"int32\")."}
 QUICK = {"scale": 1, "epochs": 2, "repeats": 1}
 RESULT = "KERAS_IO "  # the worker's result line
 
@@ -59,42 +94,61 @@ RESULT = "KERAS_IO "  # the worker's result line
 def define_flags():
     """The benchmark's flags, and the worker's."""
     flags.DEFINE_list("examples", list(EXAMPLES), f"Which of {', '.join(EXAMPLES)} to run.")
-    flags.DEFINE_integer("scale", 32, "Synthetic data: this many times the tests' size (train(scale=...)).",
+    flags.DEFINE_integer("scale", None, "Synthetic data: this many times the tests' size (train(scale=...)) for every "
+                         "program; empty: each program's own (" + ", ".join(f"{e} {s}" for e, s in SCALES.items()) + ").",
                          lower_bound=1)
-    flags.DEFINE_integer("epochs", 4, "Epochs of every fit (at least 2: the first is not timed).", lower_bound=2)
+    flags.DEFINE_integer("epochs", 3, "Epochs of every fit (at least 2: the first is not timed).", lower_bound=2)
     flags.DEFINE_integer("repeats", 2, "Rounds: every combination trains once per round.", lower_bound=1)
-    flags.DEFINE_bool("quick", False, "The tests' data (scale 1), 2 epochs, 1 round: a minute or two.")
+    flags.DEFINE_list("precisions", list(PRECISIONS), f"Number formats of both runners, of {', '.join(PRECISIONS)}.")
+    flags.DEFINE_bool("quick", False, "The tests' data (scale 1), 2 epochs, 1 round: a smoke test.")
     flags.DEFINE_enum("keras_threads", "gpupar", ["gpupar", "tensorflow"],
                       "model.fit at 2 replicas: virtual CPUs from gpupar.configure_devices (gpupar's thread pools, "
                       "as gpupar.fit has) or from tf.config alone (TensorFlow's default pools).")
     flags.DEFINE_string("json", "runs/keras_io.json", "Write the results here; empty for none.")
-    flags.DEFINE_string("worker", None, "Internal: run one combination, EXAMPLE,RUNNER,REPLICAS,SEED, and print "
-                        "its result.")
+    flags.DEFINE_string("worker", None, "Internal: run one combination, EXAMPLE,RUNNER,REPLICAS,PRECISION,SEED, and "
+                        "print its result.")
 
 
 # ---------------------------------------------------------------------------------------------
-# The worker: one (example, runner, replicas) fit in this process.
+# The worker: one (example, runner, replicas, precision) fit in this process.
 
 
-def val_accuracy_name(history: dict) -> str:
-    """The history's validation accuracy: the name that starts with val_ and ends with accuracy."""
-    names = sorted(n for n in history if n.startswith("val_") and n.endswith("accuracy"))
-    if not names:
-        raise SystemExit(f"benchmarks.keras_io: no val_*accuracy in the history ({', '.join(history)})")
-    return names[0]
+def quality_names(history: dict) -> list:
+    """What the program's quality is read from: its val_*accuracy; else val_loss; else its logged losses (a GAN's)."""
+    accuracies = sorted(n for n in history if n.startswith("val_") and n.endswith("accuracy"))
+    if accuracies:
+        return accuracies[:1]
+    if "val_loss" in history:
+        return ["val_loss"]
+    losses = sorted(n for n in history if n.endswith("loss"))
+    if losses:
+        return losses
+    raise SystemExit(f"benchmarks.keras_io: no accuracy or loss in the history ({', '.join(history)})")
 
 
 def training_size(x, validation_split) -> int:
     """Examples model.fit trains on per epoch: x's, less what validation_split holds out (as Keras splits)."""
-    n = len(x)
+    n = count_examples(x)
     return int(math.floor(n * (1.0 - validation_split))) if validation_split else n
+
+
+def count_examples(data) -> int:
+    """Examples in arrays, a batched tf.data.Dataset or a PyDataset (its batches counted, after the fit)."""
+    import keras
+    import tensorflow as tf
+
+    if isinstance(data, (tf.data.Dataset, keras.utils.PyDataset)):
+        batches = data if isinstance(data, tf.data.Dataset) else (data[i] for i in range(len(data)))
+        return sum(int(tf.nest.flatten(batch)[0].shape[0]) for batch in batches)
+    return len(data)
 
 
 def validation_size(x, kwargs) -> int:
     """Examples the fit validates on: validation_data's, or what validation_split holds out of x."""
-    if kwargs.get("validation_data") is not None:
-        return len(kwargs["validation_data"][0])
-    return len(x) - training_size(x, kwargs.get("validation_split", 0.0))
+    data = kwargs.get("validation_data")
+    if data is not None:
+        return count_examples(data[0] if isinstance(data, tuple) else data)
+    return count_examples(x) - training_size(x, kwargs.get("validation_split", 0.0))
 
 
 def rate(examples, seconds) -> float:
@@ -102,10 +156,24 @@ def rate(examples, seconds) -> float:
     return sum(examples[1:]) / sum(seconds[1:])
 
 
-def keras_fit(example, replicas):
-    """A fit with model.fit's signature: builds the example's model (in MirroredStrategy's scope at 2
-    replicas) and trains it with Keras' model.fit, timing every epoch's training; returns (history, examples
-    per epoch, seconds per epoch, validation examples)."""
+def mirrored_fit_ready(gan):
+    """keras-io's GAN as model.fit can train it under MirroredStrategy (called in the strategy's scope): the class
+    has no call(), which fit would call to build it, and its optimizers would build their slots lazily inside the
+    replicated step ("You must feed a value for placeholder tensor")."""
+    gan.built = True
+    gan.d_optimizer.build(gan.discriminator.trainable_variables)
+    gan.g_optimizer.build(gan.generator.trainable_variables)
+    return gan
+
+
+MIRRORED_FIT_READY = {"dcgan_overriding_train_step": mirrored_fit_ready}  # model.fit's workaround at 2 replicas
+
+
+def keras_fit(example, replicas, precision="float32", ready=None):
+    """A fit with model.fit's signature: builds the example's model (in MirroredStrategy's scope at 2 replicas, in
+    the precision's dtype policy) and trains it with Keras' model.fit, timing every epoch's training; returns
+    (history, examples per epoch, seconds per epoch, validation examples). `ready(model)`, if given, runs on the
+    model at 2 replicas, in the strategy's scope."""
     import keras
     import tensorflow as tf
 
@@ -131,13 +199,16 @@ def keras_fit(example, replicas):
     timer = EpochTimer()
 
     def fit(x=None, y=None, **kwargs):
+        keras.config.set_dtype_policy(precision)
         if replicas > 1:
             strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
             with strategy.scope():
                 model = example.model_fn()
+                if ready is not None:
+                    model = ready(model)
         else:
             model = example.model_fn()
-        kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [timer]
+        kwargs["callbacks"] = [timer] + list(kwargs.get("callbacks") or [])  # first: the others' epoch ends not timed
         kwargs["verbose"] = 0
         history = model.fit(x, y, **kwargs)
         size = training_size(x, kwargs.get("validation_split", 0.0))
@@ -146,7 +217,7 @@ def keras_fit(example, replicas):
     return fit
 
 
-def gpupar_fit(example, replicas, seed):
+def gpupar_fit(example, replicas, seed, precision="float32"):
     """A fit with model.fit's signature: gpupar.fit(model_fn, ...) on one device or mirrored over the virtual CPUs;
     returns (history, examples per epoch, seconds per epoch, validation examples). gpupar seeds Keras itself
     (keras.utils.set_random_seed(Config.seed), 0 by default), so the round's seed goes in as seed=."""
@@ -156,7 +227,7 @@ def gpupar_fit(example, replicas, seed):
 
     def fit(x=None, y=None, **kwargs):
         kwargs["verbose"] = 0
-        result = gpupar.fit(example.model_fn, x, y, save=False, seed=seed, **options, **kwargs)
+        result = gpupar.fit(example.model_fn, x, y, save=False, seed=seed, precision=precision, **options, **kwargs)
         if result.replicas != replicas:
             raise SystemExit(f"benchmarks.keras_io: asked for {replicas} replicas, got {result.strategy_description}")
         return (result.history, [r.examples_per_second * r.seconds for r in result.records],
@@ -165,7 +236,8 @@ def gpupar_fit(example, replicas, seed):
     return fit
 
 
-def work(example_name: str, runner: str, replicas: int, seed: int, scale: int, epochs: int, keras_threads: str):
+def work(example_name: str, runner: str, replicas: int, precision: str, seed: int, scale: int, epochs: int,
+         keras_threads: str):
     """Trains one combination in this fresh process and prints its RESULT line."""
     started = time.perf_counter()
     if replicas > 1:  # before anything starts TensorFlow
@@ -182,14 +254,17 @@ def work(example_name: str, runner: str, replicas: int, seed: int, scale: int, e
 
     sys.path.insert(0, os.path.join(script.ROOT, "tests"))  # the ports are the tests' package keras_io
     example = importlib.import_module(f"keras_io.{example_name}")
-    fit = keras_fit(example, replicas) if runner == "fit" else gpupar_fit(example, replicas, seed)
+    if runner == "fit":
+        fit = keras_fit(example, replicas, precision, MIRRORED_FIT_READY.get(example_name))
+    else:
+        fit = gpupar_fit(example, replicas, seed, precision)
     keras.utils.set_random_seed(seed)
     with tempfile.TemporaryDirectory(prefix="keras_io_bench_") as workdir:
         history, examples, seconds, validated = example.train(fit, workdir, scale=scale, epochs=epochs)
-    name = val_accuracy_name(history)
+    names = quality_names(history)
     print(RESULT + json.dumps({
-        "val_accuracy": float(history[name][-1]), "metric": name,
-        "val_accuracy_per_epoch": [float(a) for a in history[name]],
+        "quality": {name: float(history[name][-1]) for name in names},
+        "quality_per_epoch": {name: [float(v) for v in history[name]] for name in names},
         "examples_per_second": rate(examples, seconds),
         "epoch_examples_per_second": [e / s for e, s in zip(examples, seconds)],
         "epoch_seconds": seconds, "train_examples": round(examples[-1]), "val_examples": validated,
@@ -201,92 +276,168 @@ def work(example_name: str, runner: str, replicas: int, seed: int, scale: int, e
 # The driver: every combination in a process of its own, round after round.
 
 
-def run_one(example, runner, replicas, seed, scale, epochs, keras_threads) -> dict:
+def run_one(example, runner, replicas, precision, seed, scale, epochs, keras_threads) -> dict:
     """Starts a worker process for one combination and returns its result."""
-    command = [sys.executable, "-m", "benchmarks.keras_io", f"--worker={example},{runner},{replicas},{seed}",
+    command = [sys.executable, "-m", "benchmarks.keras_io", f"--worker={example},{runner},{replicas},{precision},{seed}",
                f"--scale={scale}", f"--epochs={epochs}", f"--keras_threads={keras_threads}", "--json="]
     done = subprocess.run(command, capture_output=True, text=True, cwd=script.ROOT)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     if done.returncode != 0 or not lines:
         sys.stderr.write(done.stdout[-3000:] + done.stderr[-6000:])
-        raise RuntimeError(f"benchmarks.keras_io: {example} {NAMES[runner]} x{replicas} failed "
+        raise RuntimeError(f"benchmarks.keras_io: {example} {NAMES[runner]} x{replicas} {precision} failed "
                            f"(status {done.returncode})")
     return json.loads(lines[-1][len(RESULT):])
 
 
-def measure(examples, scale, epochs, repeats, keras_threads) -> dict:
+def _medians(results) -> dict:
+    """The median of each quality over the rounds."""
+    return {name: statistics.median(r["quality"][name] for r in results) for name in results[0]["quality"]}
+
+
+def _paired(numerators, denominators, combine) -> dict:
+    """Per quality, the median over rounds of combine(numerator's, denominator's) within each round."""
+    return {name: statistics.median(combine(a["quality"][name], b["quality"][name])
+                                    for a, b in zip(numerators, denominators)) for name in numerators[0]["quality"]}
+
+
+def _paired_ratio(numerators, denominators) -> float:
+    """The median over rounds of the examples/s ratio within each round: noise that hits a whole round cancels."""
+    return statistics.median(a["examples_per_second"] / b["examples_per_second"]
+                             for a, b in zip(numerators, denominators))
+
+
+def measure(examples, scales, epochs, repeats, precisions, keras_threads) -> dict:
     """Every combination once per round, interleaved; the report with per-round results and medians."""
-    runs = {(e, r, n): [] for e in examples for r in REPLICAS for n in RUNNERS}
+    runnable = [(e, p) for e in examples for p in precisions if (e, p) not in CANNOT_RUN]
+    runs = {(e, r, p, n): [] for e, p in runnable for r in REPLICAS for n in RUNNERS}
     started = time.perf_counter()
     for round_ in range(repeats):
         order = RUNNERS if round_ % 2 == 0 else RUNNERS[::-1]  # neither runner always goes first
         for example in examples:
             for replicas in REPLICAS:
-                for runner in order:
-                    result = run_one(example, runner, replicas, round_, scale, epochs, keras_threads)
-                    runs[(example, replicas, runner)].append(result)
-                    print(f"round {round_ + 1}/{repeats}  {example} x{replicas}  {NAMES[runner]}: "
-                          f"{result['metric']} {result['val_accuracy']:.4f}, "
-                          f"{result['examples_per_second']:,.0f} examples/s, "
-                          f"{result['process_seconds']:.0f} s", flush=True)
+                for precision in precisions:
+                    for runner in order if (example, precision) in runnable else ():
+                        result = run_one(example, runner, replicas, precision, round_, scales[example], epochs,
+                                         keras_threads)
+                        runs[(example, replicas, precision, runner)].append(result)
+                        quality = ", ".join(f"{k} {v:.4f}" for k, v in result["quality"].items())
+                        print(f"round {round_ + 1}/{repeats}  {example} x{replicas} {precision}  {NAMES[runner]}: "
+                              f"{quality}, {result['examples_per_second']:,.0f} examples/s, "
+                              f"{result['process_seconds']:.0f} s", flush=True)
     rows = []
     for example in examples:
         for replicas in REPLICAS:
-            fit, ours = runs[(example, replicas, "fit")], runs[(example, replicas, "gpupar")]
-            rows.append({
-                "example": example, "replicas": replicas, "metric": fit[0]["metric"],
-                "fit_val_accuracy": statistics.median(r["val_accuracy"] for r in fit),
-                "gpupar_val_accuracy": statistics.median(r["val_accuracy"] for r in ours),
-                "difference": statistics.median(o["val_accuracy"] - f["val_accuracy"] for f, o in zip(fit, ours)),
-                "fit_examples_per_second": statistics.median(r["examples_per_second"] for r in fit),
-                "gpupar_examples_per_second": statistics.median(r["examples_per_second"] for r in ours),
-                "ratio": statistics.median(o["examples_per_second"] / f["examples_per_second"]
-                                           for f, o in zip(fit, ours)),
-                "train_examples": fit[0]["train_examples"], "val_examples": fit[0]["val_examples"],
-                "rounds": [{"model.fit": f, "gpupar.fit": o} for f, o in zip(fit, ours)],
-            })
-    return {"scale": scale, "epochs": epochs, "repeats": repeats, "keras_threads": keras_threads,
-            "seconds": time.perf_counter() - started, "rows": rows}
+            for precision in precisions:
+                row = {"example": example, "kind": KINDS[example], "replicas": replicas, "precision": precision}
+                if (example, precision) not in runnable:
+                    rows.append({**row, "cannot_run": CANNOT_RUN[(example, precision)]})
+                    continue
+                fit, ours = runs[(example, replicas, precision, "fit")], runs[(example, replicas, precision, "gpupar")]
+                rows.append({
+                    **row, "metrics": list(fit[0]["quality"]),
+                    "fit_quality": _medians(fit), "gpupar_quality": _medians(ours),
+                    "difference": _paired(ours, fit, lambda o, f: o - f),
+                    "fit_examples_per_second": statistics.median(r["examples_per_second"] for r in fit),
+                    "gpupar_examples_per_second": statistics.median(r["examples_per_second"] for r in ours),
+                    "ratio": _paired_ratio(ours, fit),
+                    "train_examples": fit[0]["train_examples"], "val_examples": fit[0]["val_examples"],
+                    "rounds": [{"model.fit": f, "gpupar.fit": o} for f, o in zip(fit, ours)],
+                })
+    bfloat16 = []
+    for example in examples if set(PRECISIONS) <= set(precisions) else ():
+        for replicas in REPLICAS:
+            for runner in RUNNERS:
+                row = {"example": example, "replicas": replicas, "runner": NAMES[runner]}
+                if (example, "mixed_bfloat16") not in runnable:
+                    bfloat16.append({**row, "cannot_run": CANNOT_RUN[(example, "mixed_bfloat16")]})
+                    continue
+                plain, fast = (runs[(example, replicas, p, runner)] for p in PRECISIONS)
+                bfloat16.append({
+                    **row, "metrics": list(plain[0]["quality"]),
+                    "float32_examples_per_second": statistics.median(r["examples_per_second"] for r in plain),
+                    "bfloat16_examples_per_second": statistics.median(r["examples_per_second"] for r in fast),
+                    "ratio": _paired_ratio(fast, plain),
+                    "float32_quality": _medians(plain), "bfloat16_quality": _medians(fast),
+                    "difference": _paired(fast, plain, lambda b, f: b - f),
+                })
+    return {"scales": {e: scales[e] for e in examples}, "epochs": epochs, "repeats": repeats,
+            "precisions": list(precisions), "keras_threads": keras_threads,
+            "seconds": time.perf_counter() - started, "rows": rows, "bfloat16": bfloat16}
+
+
+def _values(values: dict, signed=False) -> str:
+    """A cell of one or more qualities: 0.9812, or 0.6931 / 0.7120 for a GAN's d_loss / g_loss."""
+    return " / ".join(f"{v:+.4f}" if signed else f"{v:.4f}" for v in values.values())
 
 
 def table(report) -> str:
-    """The report as text: a row per example and replicas."""
-    head = (f"{'example':<38}{'replicas':>9}{'fit val acc':>13}{'gpupar val acc':>16}{'diff':>9}"
-            f"{'fit ex/s':>10}{'gpupar ex/s':>13}{'gpupar/fit':>12}")
-    lines = [head]
+    """The report as markdown: gpupar.fit against model.fit per program, replicas and precision; then bfloat16
+    against float32 per program, replicas and runner; then what the figures are."""
+    lines = ["| program | kind | replicas | precision | quality | model.fit | gpupar.fit | diff | model.fit ex/s "
+             "| gpupar.fit ex/s | gpupar/fit |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    cannot_run = {}
     for row in report["rows"]:
-        lines.append(f"{row['example']:<38}{row['replicas']:>9}{row['fit_val_accuracy']:>13.4f}"
-                     f"{row['gpupar_val_accuracy']:>16.4f}{row['difference']:>+9.4f}"
-                     f"{row['fit_examples_per_second']:>10,.0f}{row['gpupar_examples_per_second']:>13,.0f}"
-                     f"{row['ratio']:>11.2f}x")
-    lines.append(f"medians over {report['repeats']} round(s); data scale {report['scale']}, {report['epochs']} epochs, "
-                 f"examples/s over epochs 2-{report['epochs']}; diff = gpupar - model.fit; "
-                 f"{report['seconds']:.0f} s in all")
+        head = f"| {row['example']} | {row['kind']} | {row['replicas']} | {row['precision']} "
+        if "cannot_run" in row:
+            mark = cannot_run.setdefault(row["cannot_run"], "*" * (len(cannot_run) + 1))
+            lines.append(head + f"| cannot run{mark} | | | | | | |")
+            continue
+        lines.append(head + f"| {' / '.join(row['metrics'])} | {_values(row['fit_quality'])} "
+                     f"| {_values(row['gpupar_quality'])} | {_values(row['difference'], signed=True)} "
+                     f"| {row['fit_examples_per_second']:,.0f} | {row['gpupar_examples_per_second']:,.0f} "
+                     f"| {row['ratio']:.2f}x |")
+    if report["bfloat16"]:
+        lines += ["", "| program | replicas | runner | quality | float32 | bfloat16 | diff | float32 ex/s "
+                  "| bfloat16 ex/s | bf16/f32 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for row in report["bfloat16"]:
+            head = f"| {row['example']} | {row['replicas']} | {row['runner']} "
+            if "cannot_run" in row:
+                lines.append(head + f"| cannot run{cannot_run[row['cannot_run']]} | | | | | | |")
+                continue
+            lines.append(head + f"| {' / '.join(row['metrics'])} | {_values(row['float32_quality'])} "
+                         f"| {_values(row['bfloat16_quality'])} | {_values(row['difference'], signed=True)} "
+                         f"| {row['float32_examples_per_second']:,.0f} | {row['bfloat16_examples_per_second']:,.0f} "
+                         f"| {row['ratio']:.2f}x |")
+    scales = ", ".join(f"{e} {s}" for e, s in report["scales"].items())
+    lines += ["", f"Medians over {report['repeats']} round(s); data scale {scales}; {report['epochs']} epochs, "
+              f"examples/s over epochs 2-{report['epochs']}; diff = gpupar.fit - model.fit (in the second table "
+              f"bfloat16 - float32); quality: the last epoch's validation accuracy, the validation loss where the "
+              f"program has no accuracy (segmentation), the GAN's last logged d_loss / g_loss (it has no validation "
+              f"and no accuracy; at 2 replicas both runners log them at half the 1-replica value, Keras' loss "
+              f"objects dividing by the replica count); {report['seconds']:.0f} s in all."]
+    lines += [f"{mark} {reason}" for reason, mark in cannot_run.items()]
     if report["quick"]:
-        sizes = ", ".join(sorted({str(r["val_examples"]) for r in report["rows"]}, key=int))
+        sizes = ", ".join(sorted({str(r["val_examples"]) for r in report["rows"] if r.get("val_examples")}, key=int))
         lines.append(f"--quick: the tests' tiny data ({sizes} validation examples) and 2 epochs: a smoke test, "
-                     "its accuracies are no comparison")
+                     "its figures are no comparison.")
     for row in report["rows"]:
-        if abs(row["difference"]) > 0.015:
-            lines.append(f"note: {row['example']} x{row['replicas']}: validation accuracies differ by "
-                         f"{row['difference']:+.4f} (per round: " + ", ".join(
-                             f"{r['model.fit']['val_accuracy']:.4f} vs {r['gpupar.fit']['val_accuracy']:.4f}"
-                             for r in row["rounds"]) + ")")
+        for name, difference in row.get("difference", {}).items():
+            if name.endswith("accuracy") and abs(difference) > 0.015:
+                lines.append(f"note: {row['example']} x{row['replicas']} {row['precision']}: {name} differs by "
+                             f"{difference:+.4f} (per round: " + ", ".join(
+                                 f"{r['model.fit']['quality'][name]:.4f} vs {r['gpupar.fit']['quality'][name]:.4f}"
+                                 for r in row["rounds"]) + ")")
     return "\n".join(lines)
 
 
 def main() -> int:
     """The driver (or, with --worker, one combination)."""
     if FLAGS.worker:
-        example, runner, replicas, seed = FLAGS.worker.split(",")
-        work(example, runner, int(replicas), int(seed), FLAGS.scale, FLAGS.epochs, FLAGS.keras_threads)
+        example, runner, replicas, precision, seed = FLAGS.worker.split(",")
+        work(example, runner, int(replicas), precision, int(seed), FLAGS.scale, FLAGS.epochs, FLAGS.keras_threads)
         return 0
     unknown = sorted(set(FLAGS.examples) - set(EXAMPLES))
     if unknown:
         raise script.UsageError(f"--examples: unknown {', '.join(unknown)}; choose from {', '.join(EXAMPLES)}")
-    settings = dict(QUICK) if FLAGS.quick else {"scale": FLAGS.scale, "epochs": FLAGS.epochs,
-                                                "repeats": FLAGS.repeats}
-    report = {"quick": FLAGS.quick, **measure(FLAGS.examples, keras_threads=FLAGS.keras_threads, **settings)}
+    precisions = [p for p in PRECISIONS if p in FLAGS.precisions]  # float32 first, whatever the order given
+    if sorted(precisions) != sorted(set(FLAGS.precisions)) or not precisions:
+        raise script.UsageError(f"--precisions={','.join(FLAGS.precisions)}: choose from {', '.join(PRECISIONS)}")
+    settings = dict(QUICK) if FLAGS.quick else {"scale": FLAGS.scale, "epochs": FLAGS.epochs, "repeats": FLAGS.repeats}
+    scale = settings.pop("scale")
+    scales = {example: scale or SCALES[example] for example in FLAGS.examples}
+    report = {"quick": FLAGS.quick, **measure(FLAGS.examples, scales, precisions=precisions,
+                                              keras_threads=FLAGS.keras_threads, **settings)}
     print(table(report))
     if FLAGS.json:
         script.write_json(FLAGS.json, report)

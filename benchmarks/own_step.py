@@ -62,7 +62,7 @@ if __package__ in (None, ""):  # run as a file: the repository's root is the pac
 from absl import flags  # noqa: E402
 
 from benchmarks import script  # noqa: E402
-from benchmarks.keras_io import NAMES, REPLICAS, RUNNERS, gpupar_fit, keras_fit, rate  # noqa: E402
+from benchmarks.keras_io import NAMES, REPLICAS, RUNNERS, gpupar_fit, keras_fit, mirrored_fit_ready, rate  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -127,14 +127,7 @@ def model_fn():
 def keras_model_fn(replicas: int):
     """model_fn for model.fit: at 2 replicas with the workaround MirroredStrategy needs (keras_fit calls it in the
     strategy's scope)."""
-    def build():
-        gan = model_fn()
-        if replicas > 1:
-            gan.built = True  # no call(): model.fit would call it to build the model
-            gan.d_optimizer.build(gan.discriminator.trainable_variables)  # not lazily inside the replicated step
-            gan.g_optimizer.build(gan.generator.trainable_variables)
-        return gan
-    return build
+    return (lambda: mirrored_fit_ready(model_fn())) if replicas > 1 else model_fn
 
 
 def work(runner: str, replicas: int, seed: int, examples: int, epochs: int):
@@ -203,17 +196,21 @@ def measure(settings) -> dict:
 
 
 def table(report) -> str:
-    """The report as text: a row per runner and replicas."""
-    lines = [f"{'configuration':<42}{'replicas':>9}{'1st epoch s':>13}{'steady ex/s':>13}{'gpupar/fit':>12}"]
+    """The report as markdown: a row per runner and replicas, then what the figures are."""
+    lines = ["| configuration | replicas | 1st epoch s | steady ex/s | gpupar/fit | d_loss | g_loss |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in report["rows"]:
-        ratio = f"{row['ratio']:>11.2f}x" if row["ratio"] is not None else ""
-        lines.append(f"{row['configuration']:<42}{row['replicas']:>9}{row['first_epoch_seconds']:>13.1f}"
-                     f"{row['examples_per_second']:>13,.0f}{ratio}")
-    lines.append(f"best of {report['rounds']} round(s); {report['examples']:,} images, batch {report['batch_size']}, "
-                 f"{report['epochs']} epochs, examples/s over epochs 2-{report['epochs']}; "
-                 f"{report['seconds']:.0f} s in all")
+        ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else ""
+        best = max(row["rounds"], key=lambda r: r["examples_per_second"])  # the round whose rate the row shows
+        lines.append(f"| {row['configuration']} | {row['replicas']} | {row['first_epoch_seconds']:.1f} "
+                     f"| {row['examples_per_second']:,.0f} | {ratio} | {best['d_loss'][-1]:.4f} "
+                     f"| {best['g_loss'][-1]:.4f} |")
+    lines += ["", f"Best of {report['rounds']} round(s); {report['examples']:,} images, batch {report['batch_size']}, "
+              f"{report['epochs']} epochs, examples/s over epochs 2-{report['epochs']}; d_loss and g_loss: the last "
+              f"epoch's, of the row's best round (at 2 replicas half the 1-replica value: Keras' loss objects divide "
+              f"by the replica count); {report['seconds']:.0f} s in all."]
     if report["quick"]:
-        lines.append("--quick: a smoke test; its few steps per epoch make the rates no comparison")
+        lines.append("--quick: a smoke test; its few steps per epoch make the rates no comparison.")
     return "\n".join(lines)
 
 

@@ -205,19 +205,19 @@ def benchmark(data_dir, batch_size, steps, repeats, lstm_units, names=MODELS, pr
 
 
 def table(report):
-    """The results as text, one row per configuration."""
-    lines = [f"{'model':<9}{'placement':<11}{'M':>3}{'img/s median':>14}{'min':>9}{'max':>9}"
-             f"{'vs M=1':>8}{'ideal':>7}{'vs 1 device':>13}"]
+    """The results as markdown, one row per configuration, then the schedule probe's."""
+    lines = ["| model | placement | M | img/s median | min | max | vs M=1 | ideal | vs 1 device |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report["configurations"]:
-        lines.append(f"{r['model']:<9}{r['placement']:<11}{r['microbatches']:>3}{r['median']:>14,.0f}"
-                     f"{r['min']:>9,.0f}{r['max']:>9,.0f}{r['speedup_over_m1']:>7.2f}x{r['ideal_speedup_over_m1']:>6.2f}x"
-                     f"{r['vs_one_device']:>12.2f}x")
-    lines.append("schedule probe: 3 stages that each wait (not compute) for the seconds below per batch")
-    lines.append(f"{'placement':<11}{'M':>3}{'step s':>9}{'one after another':>19}{'GPipe overlap':>15}"
-                 f"{'critical path':>15}")
+        lines.append(f"| {r['model']} | {r['placement']} | {r['microbatches']} | {r['median']:,.0f} | {r['min']:,.0f} "
+                     f"| {r['max']:,.0f} | {r['speedup_over_m1']:.2f}x | {r['ideal_speedup_over_m1']:.2f}x "
+                     f"| {r['vs_one_device']:.2f}x |")
+    lines += ["", "Schedule probe: 3 stages that each wait (not compute) for the seconds below per batch.", "",
+              "| placement | M | step s | one after another | GPipe overlap | critical path |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for r in report["schedule_probe"]:
-        lines.append(f"{r['placement']:<11}{r['microbatches']:>3}{r['step_seconds']:>9.3f}"
-                     f"{r['one_after_another']:>19.3f}{r['gpipe_overlap']:>15.3f}{r['critical_path']:>15.3f}")
+        lines.append(f"| {r['placement']} | {r['microbatches']} | {r['step_seconds']:.3f} | {r['one_after_another']:.3f} "
+                     f"| {r['gpipe_overlap']:.3f} | {r['critical_path']:.3f} |")
     return "\n".join(lines)
 
 

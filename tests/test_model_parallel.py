@@ -358,7 +358,7 @@ def test_pipeline_benchmark_reports_m1_and_m4_on_one_and_several_devices(shared_
     # when the waits did not run in the step (pruned or hoisted out of it).
     assert probe["3 devices", 4]["critical_path"] == pytest.approx(0.0075)  # 3 / 4 x 0.01 s
     assert all(r["step_seconds"] >= r["critical_path"] for r in probe.values())
-    assert "lstm-2   2 devices    4" in bench_pipeline.table(report)
+    assert "| lstm-2 | 2 devices | 4 |" in bench_pipeline.table(report)
     json.dumps(report)  # what the script writes
 
 

@@ -20,6 +20,9 @@ Mean trackers, SeedGenerator(1337), discriminator then generator step with tf.Gr
 same optimizers (Adam 1e-4 each), loss (BinaryCrossentropy()) and fit call (dataset, epochs=1,
 callbacks=[GANMonitor(num_img=10, latent_dim=latent_dim)]); GANMonitor writes its PNGs into
 workdir instead of the current directory.
+
+train(fit, workdir, scale=1, epochs=1): scale multiplies the number of synthetic images (128 *
+scale; 1 is the tests' size), epochs overrides the 1 (benchmarks/keras_io.py uses both).
 """
 
 import os
@@ -194,9 +197,9 @@ def _synthetic_faces(n, rng):
     return images
 
 
-def train(fit, workdir):
+def train(fit, workdir, scale=1, epochs=1):
     rng = np.random.default_rng(0)
-    images = _synthetic_faces(128, rng)  # CelebA: 202,599 images
+    images = _synthetic_faces(128 * scale, rng)  # CelebA: 202,599 images
 
     # keras-io: keras.utils.image_dataset_from_directory("celeba_gan", label_mode=None,
     # image_size=(64, 64), batch_size=32), which shuffles (buffer batch_size * 8, a random seed)
@@ -205,7 +208,7 @@ def train(fit, workdir):
     dataset = dataset.batch(batch_size)
     dataset = dataset.map(lambda x: x / 255.0)
 
-    epochs = 1  # In practice, use ~100 epochs (keras-io's comment; its value is 1 too)
+    # epochs: "In practice, use ~100 epochs" (keras-io's comment; its value is 1, as the default here)
     return fit(
         dataset,
         epochs=epochs,
