@@ -286,14 +286,14 @@ def run(table: Table, work_dir: str, leave_out) -> dict:
     try:
         if process.returncode != 0:
             raise ValueError(f"status {process.returncode}")
-        if table.output is None:  # gpupar diagnose --json prints its log lines before the JSON
-            report = json.loads("".join(stdout[next(i for i, line in enumerate(stdout) if line.rstrip() == "{"):]))
+        if table.output is None:  # gpupar diagnose --json: its JSON on stdout
+            report = json.loads("".join(stdout))
         else:
             with open(os.path.join(script.ROOT, table.output)) as f:
                 report = json.load(f)
         entry["markdown"] = table.markdown(report, "".join(stdout))
         entry["report"] = report
-    except (ValueError, OSError, KeyError, StopIteration) as e:
+    except (ValueError, OSError, KeyError) as e:
         entry["failed"] = f"{e}; its standard error is in {log_path}"
         print(f"[results] {table.name} FAILED ({e}); the end of its standard error:\n{stderr[-3000:]}", flush=True)
     return entry

@@ -14,6 +14,7 @@ Exit status: 0 on success, 1 when training fails with a gpupar error, 2 for a ba
 """
 
 import dataclasses
+import logging
 import os
 import sys
 import textwrap
@@ -190,9 +191,12 @@ def _devices(config, preset):
 
 def _diagnose(config, preset):
     from gpupar import diagnose_mnist
+    from gpupar.training.run import log_level
 
     try:
-        report = diagnose_mnist(config, FLAGS.diagnose_steps, preset)
+        # --json: the JSON alone on stdout, for machines; the set-up's log lines are then left out.
+        with log_level(logging.ERROR if FLAGS.json else None):
+            report = diagnose_mnist(config, FLAGS.diagnose_steps, preset)
     except GpuparError as e:
         return _error(e, 1)
     print(report.to_json() if FLAGS.json else report.format(), flush=True)

@@ -54,10 +54,11 @@ def test_cli_prints_json(idx_dir):
         [sys.executable, "-m", "gpupar", "diagnose", f"--data_dir={idx_dir}", "--per_replica_batch_size=256", "--diagnose_steps=4",
          "--json"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout[out.stdout.index("{"):])
+    report = json.loads(out.stdout)  # the JSON alone, for machines
     assert set(report) >= {"input_examples_per_second", "step_examples_per_second", "together_examples_per_second",
                            "input_wait_fraction", "input_bound", "bound_by", "recommendations"}
     assert report["steps"] == 4 and report["global_batch"] == 256
+    assert set(report["precisions"]) <= {"float32", "mixed_bfloat16", "mixed_float16"}
 
 
 def test_cli_bad_flag_fails_before_any_work(idx_dir):

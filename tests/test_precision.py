@@ -83,19 +83,31 @@ def test_steps_per_call_are_picked_from_the_overhead_against_the_step(overhead, 
     assert steps_per_call_for(overhead, step, most) == expected
 
 
-def test_the_tuner_times_a_few_small_calls_then_picks_once(monkeypatch, caplog):
+def test_the_tuner_times_whole_call_cycles_after_the_traced_one_then_picks_once(monkeypatch, caplog):
     caplog.set_level("INFO", "gpupar")
-    clock = iter([0.0, 1.0,                       # the first call traces: left out
-                  10.0, 10.012, 20.0, 20.012, 30.0, 30.012])  # 12 ms each: 2 ms of steps, 10 ms on the host
-    monkeypatch.setattr("gpupar.training.observers.time.perf_counter", lambda: next(clock))
+    # Each call starts 12 ms after the one before; its steps took 2 ms in the graph: 10 ms on the host.
+    starts = iter([0.0, 1.0, 1.012, 1.024, 1.036])  # the first call traces (1 s): its cycle is left out
+    monkeypatch.setattr("gpupar.training.observers.time.perf_counter", lambda: next(starts))
     tuner = StepsPerCallTuner(most=500, probe_steps=2)
     for _ in range(4):
         assert tuner.call_size(0, 100) == 2
         tuner.on_call_begin(0)
         tuner.on_call_end(CallEnd(0, 0, 2, Results(steps=2, waited=0.0, busy=0.002), dict))
+    tuner.on_call_begin(0)
     assert tuner.chosen == steps_per_call_for(0.010, 0.001, 500) == 200
     assert tuner.call_size(0, 1000) == 200 and tuner.call_size(0, 7) == 7  # an epoch's end still cuts it
     assert "steps per call: auto chose 200" in caplog.text
+
+
+def test_the_tuner_decides_at_a_short_epochs_end_from_what_it_measured(monkeypatch):
+    starts = iter([0.0, 1.0, 1.012])
+    monkeypatch.setattr("gpupar.training.observers.time.perf_counter", lambda: next(starts))
+    tuner = StepsPerCallTuner(most=500)
+    for _ in range(3):
+        tuner.on_call_begin(0)
+        tuner.on_call_end(CallEnd(0, 0, 2, Results(steps=2, waited=0.0, busy=0.002), dict))
+    tuner.on_epoch_end(None, None, [])
+    assert tuner.chosen == 200
 
 
 def test_steps_per_call_auto_trains_as_fixed_calls_do(caplog):

@@ -128,35 +128,46 @@ def steps_per_call_for(overhead_seconds: float, step_seconds: float, most: int,
 class StepsPerCallTuner(Observer):
     """steps_per_call=auto: a few calls of few steps are timed, then every call takes steps_per_call_for's count.
 
-    A call's wall time less the time its steps took in the graph (the steps and their input
-    waits, gpupar.training.inner_loop) is the host's overhead; the first call, which traces, is
-    left out. The choice is said in the log once.
+    The time from one call's start to the next one's, less the time its steps took in the graph
+    (the steps and their input waits, gpupar.training.inner_loop), is the host's work per call:
+    the call itself, reading its results, and everything the loop and its observers do between
+    calls. The first call, which traces, is left out. The choice is said in the log once.
     """
 
     def __init__(self, most: int, probe_steps: int = 2):
         self.most, self.probe_steps = most, probe_steps
-        self.chosen, self.began, self.calls, self.samples = None, 0.0, 0, []
+        self.chosen, self.calls, self.began, self.last, self.samples = None, 0, None, None, []
 
     def call_size(self, done: int, num: int) -> int:
         return min(num, self.chosen or self.probe_steps)
 
     def on_call_begin(self, done: int):
-        self.began = time.perf_counter()
+        now = time.perf_counter()
+        if self.chosen is None and self.last is not None:  # the call before: its cycle, from its start to this one's
+            in_graph, step = self.last
+            self.samples.append((now - self.began - in_graph, step))
+            if len(self.samples) == MEASURED_CALLS:
+                self._choose()
+        self.began, self.last = now, None
 
     def on_call_end(self, call: CallEnd):
-        wall, results = time.perf_counter() - self.began, call.results
         self.calls += 1
-        if self.chosen is not None or self.calls == 1 or not results.steps or results.busy is None:
-            return
-        in_graph = results.busy + (results.waited or 0.0)
-        self.samples.append((wall - in_graph, results.busy / results.steps))
-        if len(self.samples) == MEASURED_CALLS:
-            overhead = statistics.median(o for o, _ in self.samples)
-            step = statistics.median(s for _, s in self.samples)
-            self.chosen = steps_per_call_for(overhead, step, self.most)
-            log.info("steps per call: auto chose %d: the host's work takes %.2f ms per call, a step %.2f ms (at most "
-                     "%d%% of the time goes to the host)", self.chosen, overhead * 1e3, step * 1e3,
-                     round(OVERHEAD_SHARE * 100))
+        results = call.results
+        if self.chosen is None and self.calls > 1 and results.steps and results.busy is not None:  # the first traces
+            self.last = (results.busy + (results.waited or 0.0), results.busy / results.steps)
+
+    def on_epoch_end(self, record, saved, history):
+        self.last = None  # a cycle over the epoch's end holds the evaluation and the checkpoint: not measured
+        if self.chosen is None and self.samples:  # a short epoch: what it measured decides
+            self._choose()
+
+    def _choose(self):
+        overhead = statistics.median(o for o, _ in self.samples)
+        step = statistics.median(s for _, s in self.samples)
+        self.chosen = steps_per_call_for(overhead, step, self.most)
+        log.info("steps per call: auto chose %d: the host's work takes %.2f ms per call, a step %.2f ms (at most "
+                 "%d%% of the time goes to the host)", self.chosen, overhead * 1e3, step * 1e3,
+                 round(OVERHEAD_SHARE * 100))
 
 
 def _workers_note(by_worker) -> str:

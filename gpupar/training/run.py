@@ -47,20 +47,21 @@ def train_and_evaluate(config: Config, task: Task, mode) -> FitResult:
         non-finite loss (the last good checkpoint is kept), a cluster that broke.
       TrainingInterrupted: SIGINT or SIGTERM, after a checkpoint.
     """
-    with _quiet(config.loop.verbose == 0):
+    # verbose=0: gpupar's log says only warnings and errors while the run lasts, as model.fit prints nothing.
+    with log_level(logging.WARNING if config.loop.verbose == 0 else None):
         return _train(config, task, mode)
 
 
 @contextlib.contextmanager
-def _quiet(quiet: bool):
-    """verbose=0: gpupar's log says only warnings and errors while the run lasts, as model.fit prints nothing."""
-    level = log.level
-    if quiet:
-        log.setLevel(logging.WARNING)
+def log_level(level):
+    """gpupar's log at `level` while the block runs (as it is where level is None)."""
+    before = log.level
+    if level is not None:
+        log.setLevel(level)
     try:
         yield
     finally:
-        log.setLevel(level)
+        log.setLevel(before)
 
 
 def _train(config: Config, task: Task, mode) -> FitResult:
