@@ -82,7 +82,7 @@ def test_config_and_its_parts_are_frozen():
         (dict(metrics_json="/proc/version/m.json"), "metrics_json='/proc/version/m.json' cannot be written"),
         (dict(log_dir="/proc/version/tb"), "log_dir='/proc/version/tb' cannot be written"),
         (dict(memory_growth="yes"), "memory_growth='yes'"),
-        (dict(steps_per_call=0), "steps_per_call=0: must be a whole number > 0"),
+        (dict(steps_per_call=0), "steps_per_call=0: must be a whole number >= 1, or auto"),
         (dict(precision="float16"), "precision='float16' is unknown; choose one of: float32, mixed_bfloat16"),
         (dict(precision="mixed_float16", nan_policy="skip"), "use it with nan_policy=stop"),
         (dict(strategy="model_parallel", jit_compile=True), "precision and jit_compile are not available with"),

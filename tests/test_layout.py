@@ -97,7 +97,7 @@ ORDER = {
     "gpupar.monitor": ["bottleneck", "profiling", "utilisation"],
     # The records and helpers first; then steps <- trainer <- modes <- setup <- loop <- run.
     "gpupar.training": ["task", "result", "interrupt", "checkpoint", "outputs", "objective", "inner_loop", "steps",
-                        "trainer", "modes", "process", "setup", "multi_worker", "observers", "loop", "run"],
+                        "trainer", "modes", "process", "model_setup", "setup", "multi_worker", "observers", "loop", "run"],
     "gpupar.training.steps": ["step", "parts", "compiled", "own", "pipelined"],
     "gpupar.training.modes": ["mode", "synchronous", "model_parallel", "parameter_server"],
     "gpupar.presets": ["mnist_options", "mnist"],
