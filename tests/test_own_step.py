@@ -411,8 +411,17 @@ def test_a_non_finite_log_stops_training_and_keeps_the_last_checkpoint(tmp_path)
     assert {name.split(".")[0] for name in os.listdir(os.path.join(model_dir, "within_epoch"))} >= {"step-6"}
 
 
-def test_diagnose_measures_a_models_own_step():
+def test_diagnose_measures_a_models_own_step(monkeypatch):
+    from gpupar.commands import diagnose
+    from gpupar.runtime.precision import plan_precision
+
+    monkeypatch.setattr(diagnose, "machine_precision", lambda gpus: plan_precision(("amx_bf16",)))
     report = gpupar.diagnose(gan_fn, _images(1024), batch_size=32, strategy="mirrored", virtual_cpus=2)
     assert report.global_batch == 32 and report.steps >= 4
     assert min(report.input_examples_per_second, report.step_examples_per_second,
                report.together_examples_per_second) > 0 and report.bound_by.startswith(("input pipeline", "train step"))
+    # The GAN concatenates its float32 real images with the generator's bfloat16 ones: in bfloat16
+    # it cannot run, and diagnose says so rather than failing.
+    assert report.precisions["float32"]["examples_per_second"] > 0
+    assert "bfloat16" in report.precisions["mixed_bfloat16"]["error"]
+    assert "number format: mixed_bfloat16 fails on this model (" in report.format()

@@ -65,7 +65,8 @@ class Report:
       notes: What the figures cannot tell here.
       precisions: {format: {"examples_per_second": ..., "loss": ...}} of float32 and the devices'
         faster format, trained from the same weights on the same batches as training runs
-        (compare_precisions); {} where the devices have none or the model is built already.
+        (compare_precisions); the faster format's entry is {"error": ...} where the model fails
+        in it; {} where the devices have none or the model is built already.
     """
 
     strategy: str
@@ -99,13 +100,19 @@ class Report:
                      f"{'input-bound' if self.input_bound else 'not input-bound'}; training is bound by the {self.bound_by}")
         lines += [f"  recommended: {text}" for text in self.recommendations]
         if len(self.precisions) == 2:
-            (_, plain), (fast_name, fast) = self.precisions.items()
-            lines.append(f"number format: {fast_name} at {fast['examples_per_second'] / plain['examples_per_second']:.2f}x "
-                         f"float32's rate ({fast['examples_per_second']:,.0f} against "
-                         f"{plain['examples_per_second']:,.0f} examples/s); mean loss of the same {self.steps} steps "
-                         f"{fast['loss']:.4f} against {plain['loss']:.4f}")
+            lines.append(self._precision_line())
         lines += [f"  note: {text}" for text in self.notes]
         return "\n".join(lines)
+
+    def _precision_line(self) -> str:
+        """float32 against the faster format: the rate ratio and the losses, or why the model fails in it."""
+        (_, plain), (fast_name, fast) = self.precisions.items()
+        if "error" in fast:
+            return (f"number format: {fast_name} fails on this model ({fast['error']}); keep float32, or make its "
+                    f"float32 and 16-bit tensors meet (a cast, or dtype='float32' on the layer whose output mixes)")
+        return (f"number format: {fast_name} at {fast['examples_per_second'] / plain['examples_per_second']:.2f}x "
+                f"float32's rate ({fast['examples_per_second']:,.0f} against {plain['examples_per_second']:,.0f} "
+                f"examples/s); mean loss of the same {self.steps} steps {fast['loss']:.4f} against {plain['loss']:.4f}")
 
 
 class _OneBatch:
@@ -216,15 +223,22 @@ def compare_precisions(config: Config, task, mode, steps: int, devices) -> dict:
     plan = machine_precision([d for d in devices if d.startswith("/gpu")])
     if not plan.fast or not mode.takes_step_options or task.model is not None:
         return {}
-    seeded, measured = dataclasses.replace(task, seeded=True), {}
-    for precision in ("float32", plan.precision):
-        trainer = build_trainer(config.replace(precision=precision), seeded, mode)
-        iterator = trainer.start(0)
-        trainer.run_calls(iterator, WARM_UP_STEPS, first_call=True)
-        started = time.perf_counter()
-        results = trainer.run_calls(iterator, steps)
-        loss = (results.loss / max(results.kept_examples, 1.0) if results.step_logs is None
-                else next(iter(results.step_logs.values()), 0.0))  # a model's own step: its first log, the last step's
-        measured[precision] = {"examples_per_second": steps * trainer.global_batch / (time.perf_counter() - started),
-                               "loss": loss}
+    seeded = dataclasses.replace(task, seeded=True)
+    measured = {"float32": _timed_steps(config.replace(precision="float32"), seeded, mode, steps)}
+    try:
+        measured[plan.precision] = _timed_steps(config.replace(precision=plan.precision), seeded, mode, steps)
+    except (TypeError, ValueError, tf.errors.OpError) as error:  # the model mixes float32 and 16-bit tensors itself
+        measured[plan.precision] = {"error": str(error).strip().splitlines()[0]}
     return measured
+
+
+def _timed_steps(config: Config, task, mode, steps: int) -> dict:
+    """{"examples_per_second", "loss"} of `steps` steps after WARM_UP_STEPS, as training runs them."""
+    trainer = build_trainer(config, task, mode)
+    iterator = trainer.start(0)
+    trainer.run_calls(iterator, WARM_UP_STEPS, first_call=True)
+    started = time.perf_counter()
+    results = trainer.run_calls(iterator, steps)
+    loss = (results.loss / max(results.kept_examples, 1.0) if results.step_logs is None
+            else next(iter(results.step_logs.values()), 0.0))  # a model's own step: its first log, the last step's
+    return {"examples_per_second": steps * trainer.global_batch / (time.perf_counter() - started), "loss": loss}

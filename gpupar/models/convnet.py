@@ -25,7 +25,7 @@ def build_convnet(dropout: float = DROPOUT, sync_batch_norm: bool = False, l2: f
       sync_batch_norm: Batch statistics over the global batch rather than each replica's.
       l2: Weight penalty of the convolution and dense kernels.
       seed: Seed of the initial weights and of the dropout masks.
-      dtype: A Keras dtype policy, or None for float32.
+      dtype: A Keras dtype policy, or None for float32 (the logits are float32 either way).
       xla_batch_norm: XlaBatchNormalization (True) or Keras' BatchNormalization.
 
     Returns:
@@ -61,8 +61,10 @@ def build_convnet(dropout: float = DROPOUT, sync_batch_norm: bool = False, l2: f
         batch_norm(),
         keras.layers.ReLU(dtype=dtype),
         keras.layers.Dropout(dropout, seed=seed, dtype=dtype),
+        # The logits in float32 whatever the policy (Keras' mixed-precision guide): a softmax of
+        # bfloat16 logits loses the small probabilities, and predict() gives float32 as users expect.
         keras.layers.Dense(NUM_CLASSES, kernel_initializer=init(), kernel_regularizer=keras.regularizers.L2(l2),
-                           dtype=dtype),
+                           dtype="float32"),
     ]
     with replica_consistent_state():
         return keras.Sequential([keras.Input((28, 28, 1)), *layers], name="convnet")

@@ -18,7 +18,7 @@ def build_lstm(num_layers: int = 3, units: int = 128, seed: int = 0, dtype: Opti
       num_layers: LSTM layers.
       units: Units in each.
       seed: Seed of the initial weights.
-      dtype: A Keras dtype policy, or None for float32.
+      dtype: A Keras dtype policy, or None for float32 (the logits are float32 either way).
 
     Returns:
       The keras.Sequential model, built.
@@ -30,8 +30,9 @@ def build_lstm(num_layers: int = 3, units: int = 128, seed: int = 0, dtype: Opti
             kernel_initializer=keras.initializers.GlorotUniform(seed=seed * 100 + 2 * i),
             recurrent_initializer=keras.initializers.Orthogonal(seed=seed * 100 + 2 * i + 1), dtype=dtype,
         ))
+    # The logits in float32 whatever the policy, as in build_convnet.
     layers.append(keras.layers.Dense(NUM_CLASSES, kernel_initializer=keras.initializers.GlorotUniform(seed=seed * 100 + 99),
-                                     dtype=dtype))
+                                     dtype="float32"))
     return keras.Sequential([keras.Input((28, 28, 1)), *layers], name="lstm")
 
 
