@@ -123,3 +123,13 @@ def fit_data(data):
     if isinstance(data, tuple) and 2 <= len(data) <= 3:
         return dict(zip(("x", "y", "sample_weight"), data))
     return dict(x=data)
+
+
+@pytest.fixture
+def float32_only(monkeypatch):
+    """Devices without a faster number format for gpupar diagnose: it builds the model once, not three
+    times (tests/test_precision.py tests its float32 against bfloat16 runs)."""
+    from gpupar.commands import diagnose
+    from gpupar.runtime.precision import plan_precision
+
+    monkeypatch.setattr(diagnose, "machine_precision", lambda gpus: plan_precision(("avx2",)))

@@ -23,7 +23,7 @@ def _options(idx_dir, **options):
 
 
 @pytest.mark.slow
-def test_slow_host_augmentation_is_input_bound(idx_dir, slow_host_warp):
+def test_slow_host_augmentation_is_input_bound(idx_dir, slow_host_warp, float32_only):
     report = diagnose(steps=4, **_options(idx_dir, augment=True, augment_on="host"))
     assert report.input_bound and report.bound_by == "input pipeline"
     assert report.input_examples_per_second < report.step_examples_per_second
@@ -32,7 +32,7 @@ def test_slow_host_augmentation_is_input_bound(idx_dir, slow_host_warp):
     assert "input-bound; training is bound by the input pipeline" in report.format()
 
 
-def test_device_augmentation_leaves_the_pipeline_faster_than_the_step(idx_dir):
+def test_device_augmentation_leaves_the_pipeline_faster_than_the_step(idx_dir, float32_only):
     # Whether training keeps up with the step alone depends on what else shares the two cores (CI
     # runs two test workers), so only what holds under any load is asserted: the pipeline alone
     # outruns the step, and the verdict never blames it alone nor asks to move the augmentation.
@@ -80,7 +80,7 @@ def test_the_verdict_follows_from_the_three_rates(rates, expected):
 
 
 @pytest.mark.slow
-def test_virtual_cpus_say_what_the_input_wait_cannot_tell(idx_dir):
+def test_virtual_cpus_say_what_the_input_wait_cannot_tell(idx_dir, float32_only):
     report = diagnose(steps=4, data_dir=idx_dir, per_replica_batch_size=128, strategy="mirrored", virtual_cpus=2, dropout=0.0)
     assert "counts a replica waiting for a CPU thread as waiting for input" in report.format()
     assert report.input_bound == (report.together_examples_per_second < 0.8 * report.step_examples_per_second)

@@ -35,14 +35,9 @@ class _CountingSteps(keras.layers.Layer):
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_diagnose_times_the_users_model_on_the_users_data(replicas, monkeypatch):
-    from gpupar.commands import diagnose
+def test_diagnose_times_the_users_model_on_the_users_data(replicas, float32_only):
     from gpupar.commands.diagnose import ROUNDS, VIRTUAL_CPU_NOTE, WARM_UP_STEPS, verdict
-    from gpupar.runtime.precision import plan_precision
 
-    # Devices without a faster number format, so the model is built once (test_precision.py
-    # tests the float32 against bfloat16 runs, which build it twice more).
-    monkeypatch.setattr(diagnose, "machine_precision", lambda gpus: plan_precision(("avx2",)))
     built = []
 
     def model_fn():

@@ -316,7 +316,7 @@ def test_convnet_micro_batches_normalise_by_their_own_statistics(batch):
 
 def _fit(data_dir, **options):
     defaults = dict(data_dir=data_dir, model="lstm", lstm_layers=3, lstm_units=16, per_replica_batch_size=32, epochs=2,
-                    steps_per_epoch=3, display_step=100, seed=0, precision="float32")  # auto: bfloat16 on one device
+                    steps_per_epoch=3, display_step=100, seed=0)
     return gpupar.fit_mnist(**{**defaults, **options})
 
 

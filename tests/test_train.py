@@ -23,10 +23,7 @@ def _sgd():
 
 
 def _fit(idx_dir, **options):
-    # float32 unless a test asks: these tests compare updates, which precision="auto" (the preset's
-    # default) would round to bfloat16 on a CPU with bfloat16 units.
-    defaults = dict(data_dir=idx_dir, epochs=1, steps_per_epoch=4, dropout=0.0, seed=0, display_step=100,
-                    precision="float32")
+    defaults = dict(data_dir=idx_dir, epochs=1, steps_per_epoch=4, dropout=0.0, seed=0, display_step=100)
     return gpupar.fit_mnist(**{**defaults, **options})
 
 

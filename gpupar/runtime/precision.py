@@ -1,4 +1,4 @@
-"""Which number format the devices compute fastest in: a pure planner of the devices, and one reader of the machine.
+"""Which 16-bit number format the devices' matrix units take: a pure planner of the devices, and one reader of the machine.
 
 `plan_precision` decides from the device list alone (tests give it made-up CPUs and GPUs):
 bfloat16 where the matrix units take it (CPUs with AMX-BF16 or AVX512-BF16, GPUs of compute
@@ -33,7 +33,11 @@ class PrecisionPlan:
 
 def plan_precision(cpu_flags: Sequence[str] = (), gpu_capabilities: Sequence[Optional[Tuple[int, int]]] = ()
                    ) -> PrecisionPlan:
-    """The fastest number format that trains as well as float32 on these devices.
+    """The number format of these devices' matrix units that trains as well as float32.
+
+    Faster than float32 on large matrix products; on small models the casts around them can cost
+    more than they save (the MNIST preset's ConvNet: 0.92x on an AMX-BF16 CPU), which
+    `gpupar diagnose` measures on the user's model.
 
     Args:
       cpu_flags: The CPU's feature flags, as /proc/cpuinfo names them (amx_bf16, avx512_bf16, ...).

@@ -106,18 +106,19 @@ _HINTED = set()  # the faster formats the log has pointed out in this process
 
 
 def _precision_resolved(step_options, placement, mode, task):
-    """The step options with precision=auto made the fastest format these devices train as well in, said in the log.
+    """The step options with precision=auto made the 16-bit format of these devices' matrix units, said in the log.
 
     float32 where the mode's step is its own or the model is built already (its own dtype policy
     stands), and where auto's float16 would meet nan_policy=skip. A float32 run on devices with a
-    faster format says so, once per process, as model.fit keeps float32 unless asked.
+    16-bit format says so, once per process, as model.fit keeps float32 unless asked.
     """
     plan = machine_precision([d for d in placement.devices if d.startswith("/gpu")])
     if step_options.precision == "float32":
         if plan.fast and plan.precision not in _HINTED:
             _HINTED.add(plan.precision)
-            log.info("precision: float32, as model.fit's; these devices train faster in %s (%s): pass precision=%r "
-                     "or 'auto'", plan.precision, plan.reason, plan.precision)
+            log.info("precision: float32, as model.fit's; %s, so %s may train faster (on large matrix products; "
+                     "gpupar diagnose measures both on this model): pass precision=%r or 'auto' to try it",
+                     plan.reason, plan.precision, plan.precision)
         return step_options
     if step_options.precision != "auto":
         return step_options
