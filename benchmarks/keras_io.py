@@ -370,6 +370,14 @@ def _values(values: dict, signed=False) -> str:
     return " / ".join(f"{v:+.4f}" if signed else f"{v:.4f}" for v in values.values())
 
 
+def _compared(row: dict, first: str, second: str) -> str:
+    """The cells comparing a row's `first` and `second` runs: quality of each, difference, examples/s of each, ratio."""
+    return (f"| {' / '.join(row['metrics'])} | {_values(row[first + '_quality'])} "
+            f"| {_values(row[second + '_quality'])} | {_values(row['difference'], signed=True)} "
+            f"| {row[first + '_examples_per_second']:,.0f} | {row[second + '_examples_per_second']:,.0f} "
+            f"| {row['ratio']:.2f}x |")
+
+
 def table(report) -> str:
     """The report as markdown: gpupar.fit against model.fit per program, replicas and precision; then bfloat16
     against float32 per program, replicas and runner; then what the figures are."""
@@ -383,10 +391,7 @@ def table(report) -> str:
             mark = cannot_run.setdefault(row["cannot_run"], "*" * (len(cannot_run) + 1))
             lines.append(head + f"| cannot run{mark} | | | | | | |")
             continue
-        lines.append(head + f"| {' / '.join(row['metrics'])} | {_values(row['fit_quality'])} "
-                     f"| {_values(row['gpupar_quality'])} | {_values(row['difference'], signed=True)} "
-                     f"| {row['fit_examples_per_second']:,.0f} | {row['gpupar_examples_per_second']:,.0f} "
-                     f"| {row['ratio']:.2f}x |")
+        lines.append(head + _compared(row, "fit", "gpupar"))
     if report["bfloat16"]:
         lines += ["", "| program | replicas | runner | quality | float32 | bfloat16 | diff | float32 ex/s "
                   "| bfloat16 ex/s | bf16/f32 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -395,10 +400,7 @@ def table(report) -> str:
             if "cannot_run" in row:
                 lines.append(head + f"| cannot run{cannot_run[row['cannot_run']]} | | | | | | |")
                 continue
-            lines.append(head + f"| {' / '.join(row['metrics'])} | {_values(row['float32_quality'])} "
-                         f"| {_values(row['bfloat16_quality'])} | {_values(row['difference'], signed=True)} "
-                         f"| {row['float32_examples_per_second']:,.0f} | {row['bfloat16_examples_per_second']:,.0f} "
-                         f"| {row['ratio']:.2f}x |")
+            lines.append(head + _compared(row, "float32", "bfloat16"))
     scales = ", ".join(f"{e} {s}" for e, s in report["scales"].items())
     lines += ["", f"Medians over {report['repeats']} round(s); data scale {scales}; {report['epochs']} epochs, "
               f"examples/s over epochs 2-{report['epochs']}; diff = gpupar.fit - model.fit (in the second table "
