@@ -113,7 +113,7 @@ def global_seed_generator(strategy):
     return generator
 
 
-@tf.function(jit_compile=True)
+@tf.function(jit_compile=True, autograph=False)
 def _normalise_batch(inputs, gamma, beta, epsilon):
     """Training-mode batch norm as one XLA kernel: (outputs, batch mean, batch variance).
 

@@ -141,24 +141,23 @@ def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_it
         ops = reductions if reductions is not None else tf.nest.map_structure(lambda _: SUM, zeros)
         return tf.nest.map_structure(lambda op, value: strategy.reduce(op, value, axis=None), ops, totals)
 
-    @tf.function
+    # No autograph (as Keras' own train function): the loops are written as tf.while_loop, and
+    # converting gpupar's step code with autograph cost each fresh process seconds of tracing.
+    @tf.function(autograph=False)
     def run(iterator, num_steps):
-        totals = start()
-        for _ in tf.range(num_steps):
-            totals = step(totals, next(iterator))
+        def body(i, totals):
+            return i + 1, step(totals, next(iterator))
+
+        _, totals = tf.while_loop(lambda i, _: i < num_steps, body, (tf.constant(0), start()))
         return reduced(totals)
 
-    @tf.function
+    @tf.function(autograph=False)
     def timed_run(iterator, num_steps, skip_first_wait=False):
-        totals = start()
-        began = tf.timestamp()
-        waited = tf.constant(0.0, tf.float64)
-        for i in tf.range(num_steps):
+        def body(i, totals, waited):
             # On CPUs one iteration at a time, so a step asks for its batch once the one before it
             # has finished, update included: the while loop would otherwise start the next
             # iteration's ops early, and the rest of a step on another replica would count as
             # waiting. On GPUs the iterations may overlap (timed_loop_iterations).
-            tf.autograph.experimental.set_loop_options(parallel_iterations=parallel_iterations)
             with tf.control_dependencies([waited]):
                 asked = tf.timestamp()
             with tf.control_dependencies([asked]):
@@ -166,7 +165,12 @@ def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_it
             arrived = _mean_arrival(batch)
             totals = step(totals, batch)
             counted = tf.logical_not(tf.logical_and(skip_first_wait, tf.equal(i, 0)))
-            waited += tf.where(counted, arrived - asked, tf.constant(0.0, tf.float64))
+            return i + 1, totals, waited + tf.where(counted, arrived - asked, tf.constant(0.0, tf.float64))
+
+        began = tf.timestamp()
+        _, totals, waited = tf.while_loop(lambda i, *_: i < num_steps, body,
+                                          (tf.constant(0), start(), tf.constant(0.0, tf.float64)),
+                                          parallel_iterations=parallel_iterations)
         totals = reduced(totals)
         with tf.device("/cpu:0"):
             on_host = [tf.identity(t) for t in tf.nest.flatten(totals)]

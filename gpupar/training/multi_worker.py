@@ -66,7 +66,7 @@ class AgreedStop:
         self.local, self.strategy = local, strategy
         self._seen = None
 
-        @tf.function
+        @tf.function(autograph=False)
         def any_signal(value):
             per_replica = strategy.run(lambda: tf.identity(value))
             return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)

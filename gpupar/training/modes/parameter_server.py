@@ -148,7 +148,7 @@ def worker_function(step, strategy):
     """
     steps = steps_in_one_call(lambda batch: strategy.run(step.train, args=(batch,)), step.train_zeros())
 
-    @tf.function
+    @tf.function(autograph=False)
     def train(iterator, num_steps):
         return steps(iterator, num_steps), tf.distribute.coordinator.experimental_get_current_worker_index()
 

@@ -136,8 +136,8 @@ def _flat_logs(logs):
 def _step_logs(model, step_name, batch):
     """The model's train_step or test_step on this replica's batch, with replica-apart random draws; its checked logs.
 
-    Not converted by AutoGraph (the callers are not), as model.fit does not convert a train_step:
-    Python control flow in it runs once, when it is traced.
+    Not converted by AutoGraph (no tf.function of gpupar's is), as model.fit does not convert a
+    train_step: Python control flow in it runs once, when it is traced.
     """
     with replica_seeds():
         logs = getattr(model, step_name)(batch)
@@ -163,14 +163,12 @@ class OwnStep(Step):
     def train_zeros(self):
         return 0.0, {name: 0.0 for name in self.names}
 
-    @tf.autograph.experimental.do_not_convert
     def train(self, batch):
         return _rows(batch), _step_logs(self.model, "train_step", batch)
 
     def eval_zeros(self):
         return 0.0, {name: 0.0 for name in self.eval_names}
 
-    @tf.autograph.experimental.do_not_convert
     def evaluate(self, batch):
         return _rows(batch), _step_logs(self.model, "test_step", batch)
 

@@ -150,4 +150,4 @@ def loss_scale_of(optimizer):
 def finite_check(model):
     """A tf.function telling whether every float weight of the model is finite."""
     weights = [w for w in model.weights if tf.as_dtype(w.dtype).is_floating]
-    return tf.function(lambda: all_finite(weights))
+    return tf.function(lambda: all_finite(weights), autograph=False)

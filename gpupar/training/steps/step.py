@@ -86,7 +86,7 @@ def train_function(step: Step, strategy, parallel_iterations: int = 1):
     replica's step is one XLA computation. parallel_iterations: see
     gpupar.training.inner_loop.timed_loop_iterations.
     """
-    replica_step = tf.function(step.train, jit_compile=True) if step.jit_compile else step.train
+    replica_step = tf.function(step.train, jit_compile=True, autograph=False) if step.jit_compile else step.train
     zeros = step.train_zeros()
     return steps_in_one_call(replica_step, zeros, timed=True, strategy=strategy, parallel_iterations=parallel_iterations,
                              combine=step.combine, reductions=step.reductions(zeros))
