@@ -99,6 +99,7 @@ def define_flags():
                          lower_bound=1)
     flags.DEFINE_integer("epochs", 3, "Epochs of every fit (at least 2: the first is not timed).", lower_bound=2)
     flags.DEFINE_integer("repeats", 2, "Rounds: every combination trains once per round.", lower_bound=1)
+    flags.DEFINE_list("replicas", [str(r) for r in REPLICAS], "Replica counts, of 1 and 2.")
     flags.DEFINE_list("precisions", list(PRECISIONS), f"Number formats of both runners, of {', '.join(PRECISIONS)}.")
     flags.DEFINE_bool("quick", False, "The tests' data (scale 1), 2 epochs, 1 round: a smoke test.")
     flags.DEFINE_enum("keras_threads", "gpupar", ["gpupar", "tensorflow"],
@@ -306,15 +307,15 @@ def _paired_ratio(numerators, denominators) -> float:
                              for a, b in zip(numerators, denominators))
 
 
-def measure(examples, scales, epochs, repeats, precisions, keras_threads) -> dict:
+def measure(examples, scales, epochs, repeats, precisions, keras_threads, replica_counts=REPLICAS) -> dict:
     """Every combination once per round, interleaved; the report with per-round results and medians."""
     runnable = [(e, p) for e in examples for p in precisions if (e, p) not in CANNOT_RUN]
-    runs = {(e, r, p, n): [] for e, p in runnable for r in REPLICAS for n in RUNNERS}
+    runs = {(e, r, p, n): [] for e, p in runnable for r in replica_counts for n in RUNNERS}
     started = time.perf_counter()
     for round_ in range(repeats):
         order = RUNNERS if round_ % 2 == 0 else RUNNERS[::-1]  # neither runner always goes first
         for example in examples:
-            for replicas in REPLICAS:
+            for replicas in replica_counts:
                 for precision in precisions:
                     for runner in order if (example, precision) in runnable else ():
                         result = run_one(example, runner, replicas, precision, round_, scales[example], epochs,
@@ -326,7 +327,7 @@ def measure(examples, scales, epochs, repeats, precisions, keras_threads) -> dic
                               f"{result['process_seconds']:.0f} s", flush=True)
     rows = []
     for example in examples:
-        for replicas in REPLICAS:
+        for replicas in replica_counts:
             for precision in precisions:
                 row = {"example": example, "kind": KINDS[example], "replicas": replicas, "precision": precision}
                 if (example, precision) not in runnable:
@@ -345,7 +346,7 @@ def measure(examples, scales, epochs, repeats, precisions, keras_threads) -> dic
                 })
     bfloat16 = []
     for example in examples if set(PRECISIONS) <= set(precisions) else ():
-        for replicas in REPLICAS:
+        for replicas in replica_counts:
             for runner in RUNNERS:
                 row = {"example": example, "replicas": replicas, "runner": NAMES[runner]}
                 if (example, "mixed_bfloat16") not in runnable:
@@ -435,11 +436,15 @@ def main() -> int:
     precisions = [p for p in PRECISIONS if p in FLAGS.precisions]  # float32 first, whatever the order given
     if sorted(precisions) != sorted(set(FLAGS.precisions)) or not precisions:
         raise script.UsageError(f"--precisions={','.join(FLAGS.precisions)}: choose from {', '.join(PRECISIONS)}")
+    replica_counts = tuple(r for r in REPLICAS if str(r) in FLAGS.replicas)
+    if sorted(map(str, replica_counts)) != sorted(set(FLAGS.replicas)) or not replica_counts:
+        raise script.UsageError(f"--replicas={','.join(FLAGS.replicas)}: choose from {', '.join(map(str, REPLICAS))}")
     settings = dict(QUICK) if FLAGS.quick else {"scale": FLAGS.scale, "epochs": FLAGS.epochs, "repeats": FLAGS.repeats}
     scale = settings.pop("scale")
     scales = {example: scale or SCALES[example] for example in FLAGS.examples}
     report = {"quick": FLAGS.quick, **measure(FLAGS.examples, scales, precisions=precisions,
-                                              keras_threads=FLAGS.keras_threads, **settings)}
+                                              keras_threads=FLAGS.keras_threads, replica_counts=replica_counts,
+                                              **settings)}
     print(table(report))
     if FLAGS.json:
         script.write_json(FLAGS.json, report)
