@@ -214,6 +214,27 @@ def test_jit_compile_puts_each_replica_step_in_one_xla_computation():
     assert compiled_calls(True) and not compiled_calls(False)
 
 
+def test_the_xla_step_is_traced_on_a_full_batchs_static_shape_and_a_smaller_batch_runs_without_it():
+    """On a batch of unknown first dimension XLA compiled the step again for every batch (its values taken as
+    constants): the full batch must reach the compiled step with its static shape."""
+    import tensorflow as tf
+
+    from gpupar.training.steps.step import compiled_for_full_batches
+
+    traced = []
+
+    def train(batch):
+        traced.append(batch.shape.as_list())
+        return tf.reduce_sum(batch)
+
+    step = tf.function(compiled_for_full_batches(train, 4)).get_concrete_function(tf.TensorSpec([None, 3]))
+    assert sorted(traced, key=str) == [[4, 3], [None, 3]]
+    library = step.graph.as_graph_def().library
+    assert any(node.attr["_XlaMustCompile"].b for f in [step.graph.as_graph_def(), *library.function]
+               for node in getattr(f, "node", getattr(f, "node_def", [])))
+    assert float(step(tf.ones([4, 3]))) == 12 and float(step(tf.ones([2, 3]))) == 6
+
+
 @pytest.mark.slow
 def test_jit_compile_with_several_cpu_replicas_trains_without_xla_and_says_so(shared_idx_dir, caplog):
     caplog.set_level("INFO", "gpupar")

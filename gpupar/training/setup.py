@@ -87,7 +87,8 @@ def build_trainer(config, task, mode, cluster=None) -> Trainer:
     return Trainer(
         placement=placement, model=model, optimizer=optimizer,
         loss_scale=update_optimizer if _scales_the_loss(update_optimizer, step_options) else None, step=step,
-        calls=mode.calls(step, placement), make_input=mode.make_input(train, placement, global_batch),
+        calls=mode.calls(step, placement, None if per_step % placement.replicas else per_step // placement.replicas),
+        make_input=mode.make_input(train, placement, global_batch),
         evaluate=mode.evaluation(step, evaluation, placement, eval_batch, config.input.validation_steps),
         weights_finite=finite_check(model), global_batch=global_batch, steps_per_epoch=steps_per_epoch,
         steps_per_call=_steps_per_call(loop, mode, steps_per_epoch),

@@ -92,9 +92,12 @@ class Mode:
         """The Step that trains a compiled model's objective in this mode."""
         return CompiledStep(model, objective, optimizer, update_optimizer, variables)
 
-    def calls(self, step, placement):
-        """What runs calls of the step's train steps (LocalCalls, or a scheduler of the workers)."""
-        return LocalCalls(step, placement.strategy)
+    def calls(self, step, placement, replica_rows):
+        """What runs calls of the step's train steps (LocalCalls, or a scheduler of the workers).
+
+        replica_rows: the rows of each replica's full batch, None where replicas get unequal shares.
+        """
+        return LocalCalls(step, placement.strategy, replica_rows=replica_rows)
 
     def make_input(self, train, placement: Placement, global_batch: int):
         """make_input(first_step, limit=None) -> the training input of this mode from a global step."""

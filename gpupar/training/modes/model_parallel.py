@@ -71,8 +71,8 @@ class ModelParallel(Mode):
             log.info(line)
         return step
 
-    def calls(self, step, placement):
-        return LocalCalls(step, None, timed_loop_iterations(placement.on_gpus))
+    def calls(self, step, placement, replica_rows):
+        return LocalCalls(step, None, timed_loop_iterations(placement.on_gpus), replica_rows)
 
     def make_input(self, train, placement, global_batch):
         return lambda first_step, limit=None: iter(train.batches(global_batch, first_step, limit))

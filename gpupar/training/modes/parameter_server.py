@@ -255,7 +255,7 @@ class ParameterServer(Mode):
     def updated_variables(self, model):
         return update_variables(model)
 
-    def calls(self, step, placement):
+    def calls(self, step, placement, replica_rows):
         return Scheduler(self.coordinator, step, placement.strategy, placement.workers)
 
     def make_input(self, train, placement, global_batch):

@@ -60,8 +60,8 @@ class Synchronous(Mode):
             eval_spec = data.distribute_evaluation(strategy, eval_batch, per_pipeline, validation_steps)[0].element_spec
         return own_step(strategy, model, spec, eval_spec, jit_compile)
 
-    def calls(self, step, placement):
-        return LocalCalls(step, placement.strategy, timed_loop_iterations(placement.on_gpus))
+    def calls(self, step, placement, replica_rows):
+        return LocalCalls(step, placement.strategy, timed_loop_iterations(placement.on_gpus), replica_rows)
 
     def make_input(self, train, placement, global_batch):
         def make(first_step, limit=None):
