@@ -10,7 +10,6 @@ import types
 import pytest
 
 from gpupar import cli
-from gpupar.config import Config
 from gpupar.presets.mnist_options import mnist_options
 
 FLAGS = cli.FLAGS

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import gpupar
-from conftest import FASHION_MNIST
 from gpupar.errors import GpuparError
 from gpupar.training.outputs import plan_outputs
 from upstream_files import UpstreamProxy

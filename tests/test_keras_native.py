@@ -2,7 +2,6 @@
 
 import inspect
 import os
-import re
 import subprocess
 import sys
 

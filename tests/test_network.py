@@ -90,7 +90,7 @@ def test_allow_network_leaves_the_servers_reachable_and_each_task_says_so(tmp_pa
         pid, port = _started(launch)
         assert port in _listening_ports(pid) and not _refused(port)
         assert "--allow_network: the tasks' TensorFlow servers accept unauthenticated connections" in launch.output
-        warnings = re.findall(rf"\[(worker:\d)\] .*listens on port \d+ of every interface", launch.output)
+        warnings = re.findall(r"\[(worker:\d)\] .*listens on port \d+ of every interface", launch.output)
         assert sorted(warnings) == ["worker:0", "worker:1"], launch.output[-3000:]
     finally:
         status = _stop(launch)

@@ -166,7 +166,7 @@ def _poison_every_third_batch(monkeypatch):
     """Makes the images of every batch whose label sum is a multiple of 3 NaN (a poisoned batch)."""
     import tensorflow as tf
 
-    from gpupar.data import array_pipeline as pipeline, mnist_images as mnist
+    from gpupar.data import mnist_images as mnist
 
     normalise = mnist.normalise
 
@@ -251,7 +251,7 @@ def test_many_skipped_steps_do_not_wear_out_the_loss_scale(shared_idx_dir, monke
     """Each skip halves Keras' loss scale; unreset, it reaches 0 after ~150 skips and every step fails."""
     import tensorflow as tf
 
-    from gpupar.data import array_pipeline as pipeline, mnist_images as mnist
+    from gpupar.data import mnist_images as mnist
 
     normalise = mnist.normalise
 
