@@ -26,9 +26,9 @@ train: venv data
 		--model_dir=$(RUN_DIR) --resume --log_dir=$(RUN_DIR)/tensorboard \
 		--metrics_json=$(RUN_DIR)/metrics.json
 
-# Two pytest workers: one kept about 1.1 of the 2 cores busy (measured); worksteal evens out the
-# few long tests.
-PYTEST := $(VENV)/bin/python -m pytest -q -n 2 --dist worksteal
+# Three pytest workers on 2 cores: under two, the many tests that wait on subprocesses (kills,
+# restarts, clusters starting) leave a core idle; worksteal evens out the few long tests.
+PYTEST := $(VENV)/bin/python -m pytest -q -n 3 --dist worksteal
 
 test: venv data
 	$(PYTEST)

@@ -85,3 +85,15 @@ def test_a_combination_that_cannot_run_is_a_row_with_its_reason():
                            "seconds": 1.0, "quick": False})
     assert "| text_classification_with_transformer | transformer | 1 | mixed_bfloat16 | cannot run* |" in text
     assert "* its ids round in bfloat16" in text
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--replicas=1,3", "--replicas=1,3: choose from 1, 2"),
+    ("--precisions=float64", "--precisions=float64: choose from float32, mixed_bfloat16"),
+    ("--examples=mnist_convnet,nope", "--examples: unknown nope; choose from "),
+], ids=["replicas", "precisions", "examples"])
+def test_a_bad_flag_value_is_one_line_and_status_2_before_anything_runs(flag, message, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "benchmarks.keras_io", flag, "--json", str(tmp_path / "out.json")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and done.stderr.startswith(f"benchmarks.keras_io: error: {message}"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.json").exists()

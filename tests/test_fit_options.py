@@ -187,8 +187,10 @@ def test_nan_policy_skip_skips_the_step_on_every_replica_and_trains_as_if_it_was
 
 
 def test_jit_compile_trains_the_users_model_in_xla_to_the_same_weights():
-    plain = _fit(_dense(), _data(), 1, loss=LOGITS)
-    compiled = _fit(_dense(), _data(), 1, loss=LOGITS, jit_compile=True)
+    # 100 examples in batches of 32: three full batches through XLA, then one of 4 (compiled_for_full_batches).
+    plain = _fit(_dense(), _data(100), 1, loss=LOGITS, steps_per_epoch=None)
+    compiled = _fit(_dense(), _data(100), 1, loss=LOGITS, steps_per_epoch=None, jit_compile=True)
+    assert [r.steps for r in compiled.records] == [4]
     assert _moved(plain, _dense()) > 100 * ATOL and _difference(plain, compiled) < ATOL
 
     # The step really goes through XLA: an op XLA cannot compile trains without jit_compile, and not with it.
