@@ -55,6 +55,21 @@ def test_each_pass_ends_with_a_partial_batch_as_in_keras():
     assert larger == [list(range(40))] * 2  # a batch larger than the data: the whole set, every pass
 
 
+@pytest.mark.parametrize("augment", [False, True], ids=["gather", "example_map"])
+def test_batches_have_a_static_first_dimension_where_every_batch_is_full(augment):
+    """As Keras' array adapter: a recurrent layer's loops then skip shape ops at every time step."""
+    example_map = (lambda example, number, position: example) if augment else None
+    arrays = (IMAGES.astype(np.uint8), LABELS)
+    full = pipeline.train_dataset(arrays, 8, seed=0, example_map=example_map)
+    partial = pipeline.train_dataset(arrays, 16, seed=0, example_map=example_map)
+    assert full.element_spec[0].shape.as_list() == [8, 28, 28] and full.element_spec[1].shape.as_list() == [8]
+    assert partial.element_spec[0].shape.as_list() == [None, 28, 28]
+    resumed = pipeline.train_dataset(arrays, 8, seed=0, start_step=3, example_map=example_map)
+    assert _labels_of(resumed, 4) == _labels_of(full, 7)[3:]  # nothing dropped: every example, every pass
+    assert pipeline.eval_dataset(arrays, 8).element_spec[1].shape.as_list() == [8]
+    assert pipeline.eval_dataset(arrays, 16).element_spec[1].shape.as_list() == [None]
+
+
 def test_without_shuffle_the_batches_keep_the_arrays_order():
     batches = pipeline.train_dataset((IMAGES.astype(np.uint8), LABELS), 16, seed=0, shuffle=False).take(4)
     assert [list(b[1].numpy()) for b in batches] == [list(range(16)), list(range(16, 32)), list(range(32, 40)),

@@ -383,7 +383,7 @@ class OnlyTestStep(keras.Sequential):
 
 @pytest.mark.parametrize("model_fn, message", [
     (lambda: Broken("tuple"), "Broken.train_step returned a tuple; return a dict of scalars"),
-    (lambda: Broken("vector"), "Broken.train_step returned 'loss' of shape [None] and dtype float32"),
+    (lambda: Broken("vector"), "Broken.train_step returned 'loss' of shape [16] and dtype float32"),  # a replica's
     (lambda: Broken("nothing updated"), "Broken.train_step updated no variable in its first steps"),
     (lambda: OnlyTestStep([keras.Input((6,)), keras.layers.Dense(1)]),
      "OnlyTestStep overrides test_step but not train_step"),

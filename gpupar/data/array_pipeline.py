@@ -85,20 +85,33 @@ def train_dataset(arrays, global_batch: int, seed: int, start_step: int = 0, exa
             start = tf.where(number == first_pass, tf.cast(skip * global_batch, tf.int64), tf.constant(0, tf.int64))
             positions = tf.range(num_examples, dtype=tf.int64)
             examples = tf.data.Dataset.from_tensor_slices((order(number), positions)).skip(start)
-            return examples.map(lambda index, position: example_map(gather(index), number, position),
-                                num_parallel_calls=parallel).batch(global_batch)
+            return _batched(examples.map(lambda index, position: example_map(gather(index), number, position),
+                                         num_parallel_calls=parallel), global_batch, num_examples)
 
         ds = passes.flat_map(one_pass)
     else:
-        ds = passes.flat_map(lambda number: tf.data.Dataset.from_tensor_slices(order(number)).batch(global_batch))
+        ds = passes.flat_map(lambda number: _batched(tf.data.Dataset.from_tensor_slices(order(number)), global_batch,
+                                                     num_examples))
         ds = ds.skip(skip).map(gather, num_parallel_calls=parallel)
     return ds.prefetch(tf.data.AUTOTUNE).with_options(options(deterministic, threads))
 
 
 def eval_dataset(arrays, global_batch: int) -> tf.data.Dataset:
     """The whole of the arrays once, in order, last partial batch included, cached: repeat it for one iterator per run."""
-    ds = tf.data.Dataset.from_tensor_slices(as_tensors(arrays)).batch(global_batch).cache()
+    arrays = as_tensors(arrays)
+    ds = _batched(tf.data.Dataset.from_tensor_slices(arrays), global_batch, rows(tf.nest.flatten(arrays)[0])).cache()
     return ds.with_options(options())
+
+
+def _batched(examples: tf.data.Dataset, global_batch: int, num_examples: int) -> tf.data.Dataset:
+    """examples.batch(global_batch), the batch dimension static where every batch of a pass is full.
+
+    Keras' array adapter gives full batches a static first dimension too. Unknown, it costs a
+    recurrent layer's loops extra Shape, BroadcastGradientArgs, Sum and Reshape ops at every
+    time step, forward and backward. drop_remainder drops nothing here: the examples fill every
+    batch.
+    """
+    return examples.batch(global_batch, drop_remainder=num_examples % global_batch == 0)
 
 
 def test_steps(num_examples: int, global_batch: int) -> int:
