@@ -68,7 +68,7 @@ class MnistOptions(Options):
 OPTION_NAMES = MnistOptions.field_names()
 # The Config options whose defaults the presets (and so the gpupar command) set otherwise than model.fit's.
 # Not precision: on a CPU with AMX-BF16 the preset's small ConvNet gains nothing in mixed_bfloat16
-# (0.89x in gpupar diagnose's step: docs/input-bound.md), so it keeps float32, exact and as model.fit does.
+# (0.80x in gpupar diagnose's step: docs/input-bound.md), so it keeps float32, exact and as model.fit does.
 PRESET_DEFAULTS = {"epochs": 5, "display_step": 10, "verbose": 2}
 PER_REPLICA_BATCH = 1024  # the presets' batch, per replica, where neither batch option is given
 

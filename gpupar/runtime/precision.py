@@ -36,7 +36,7 @@ def plan_precision(cpu_flags: Sequence[str] = (), gpu_capabilities: Sequence[Opt
     """The number format of these devices' matrix units that trains as well as float32.
 
     Faster than float32 on large matrix products; on small models the casts around them can cost
-    more than they save (the MNIST preset's ConvNet on an AMX-BF16 CPU: 0.89x), which
+    more than they save (the MNIST preset's ConvNet on an AMX-BF16 CPU: 0.80x), which
     `gpupar diagnose` measures on the user's model.
 
     Args:
