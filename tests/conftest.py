@@ -57,6 +57,24 @@ def make_idx_dir(folder, num_train=256, num_test=100, gz=True):
     return str(folder)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _subprocesses_without_keras_extras():
+    """Python subprocesses of the tests load tests/child_site/sitecustomize.py (why: its docstring).
+
+    Set here, in the process that runs the tests, not at import: pytest-xdist's workers, started
+    with the environment of the process that imported this file first, run the tests that give
+    Keras pandas DataFrames.
+    """
+    child_site = os.path.join(ROOT, "tests", "child_site")
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([child_site, *([before] if before else [])])
+    yield
+    if before is None:
+        del os.environ["PYTHONPATH"]
+    else:
+        os.environ["PYTHONPATH"] = before
+
+
 @pytest.fixture(autouse=True)
 def _runs_in_tmp_path(tmp_path, monkeypatch):
     """Every test runs in its own folder, so the runs/ folders that runs create by default land there."""
