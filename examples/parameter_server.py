@@ -27,9 +27,10 @@ flags = [
     f"--metrics_json={run_dir}/metrics.json",
     *(["--steps_per_epoch=10", "--display_step=5", "--per_replica_batch_size=128"] if quick else []),
 ]
-status = launch(workers=2, ps=1, restarts=0, args=flags)  # the chief's log shows the updates of each worker
+WORKERS = 2
+status = launch(workers=WORKERS, ps=1, restarts=0, args=flags)  # the chief's log shows the updates of each worker
 if status:
     sys.exit(status)
 metrics = json.load(open(f"{run_dir}/metrics.json"))
-print(f"parameter server: {metrics['replicas']} workers, batch {metrics['global_batch']} per step, "
+print(f"parameter server: {WORKERS} workers, each step on one of them, batch {metrics['global_batch']} per step, "
       f"test accuracy {metrics['logs']['val_accuracy']:.4f}")
