@@ -107,7 +107,7 @@ def test_step_time_includes_work_that_the_sums_do_not_depend_on():
     weights = tf.Variable(tf.eye(400))
 
     def update_heavy(batch):  # like an optimizer update: state changes that no returned sum needs
-        for _ in range(24):  # busy enough that a loaded machine's scheduling is not most of the wait
+        for _ in range(48):  # busy enough that a loaded machine's scheduling is not most of the wait
             weights.assign(tf.matmul(weights, weights) / tf.norm(weights))
         return tf.reduce_sum(batch), tf.constant(0.0)
 
