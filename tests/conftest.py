@@ -65,14 +65,9 @@ def _subprocesses_without_keras_extras():
     with the environment of the process that imported this file first, run the tests that give
     Keras pandas DataFrames.
     """
-    child_site = os.path.join(ROOT, "tests", "child_site")
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([child_site, *([before] if before else [])])
-    yield
-    if before is None:
-        del os.environ["PYTHONPATH"]
-    else:
-        os.environ["PYTHONPATH"] = before
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", os.path.join(ROOT, "tests", "child_site"), prepend=os.pathsep)
+        yield
 
 
 @pytest.fixture(autouse=True)

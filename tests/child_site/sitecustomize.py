@@ -2,7 +2,7 @@
 
 Keras imports pandas and matplotlib.pyplot at its own import when they are installed, for
 DataFrame inputs and its image galleries. Both are test extras here, not gpupar's dependencies,
-and they cost about 1.3 of the 4 CPU-seconds that every process here takes to import TensorFlow:
+and they cost about 1.2 of the 4 CPU-seconds that every process here takes to import TensorFlow:
 most of the suite's subprocesses (cluster tasks, restarts, examples, benchmark runs) are that.
 So Keras' own imports of them find nothing, as after `pip install gpupar`; anything else that
 imports them (gpupar plot, the benchmarks' plots) gets them.
@@ -11,7 +11,11 @@ imports them (gpupar plot, the benchmarks' plots) gets them.
 import sys
 
 _KERAS_OPTIONAL = ("pandas", "matplotlib")
-_MACHINERY = ("importlib", "_frozen_importlib")
+
+
+def _in(module, packages):
+    """Whether `module` is one of `packages` or inside one (keras.src.x is in keras; keras_io is not)."""
+    return any(module == p or module.startswith(p + ".") for p in packages)
 
 
 class _NotForKeras:
@@ -19,13 +23,13 @@ class _NotForKeras:
 
     @staticmethod
     def find_spec(name, path=None, target=None):
-        if name.partition(".")[0] not in _KERAS_OPTIONAL:
+        if not _in(name, _KERAS_OPTIONAL):
             return None
         frame = sys._getframe(1)
-        while frame is not None and frame.f_globals.get("__name__", "").startswith(_MACHINERY):
+        while frame is not None and _in(frame.f_globals.get("__name__", ""), ("importlib", "_frozen_importlib",
+                                                                              "_frozen_importlib_external")):
             frame = frame.f_back  # the import system's own frames, up to the importing module
-        importer = frame.f_globals.get("__name__", "") if frame is not None else ""
-        if importer == "keras" or importer.startswith("keras."):  # not keras_io, the tests' ports
+        if frame is not None and _in(frame.f_globals.get("__name__", ""), ("keras",)):
             raise ModuleNotFoundError(f"No module named {name!r} (left out of Keras' import in tests)", name=name)
         return None
 
