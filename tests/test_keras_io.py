@@ -13,7 +13,6 @@ not run twice.
 
 import functools
 import importlib
-import pkgutil
 
 import keras
 import numpy as np
@@ -24,10 +23,9 @@ import keras_io
 
 # The ports with model_fn + train (one model, one fit); the others offer only script(strategy, fit, workdir),
 # which tests/test_keras_io_scripts.py runs.
-EXAMPLES = sorted(module.name for module in pkgutil.iter_modules(keras_io.__path__)
-                  if not module.name.startswith("_") and hasattr(importlib.import_module(f"keras_io.{module.name}"), "model_fn"))
+EXAMPLES = keras_io.ports("model_fn")
 # The two-renames port of these is tests/test_keras_io_scripts.py's (the module docstring says why).
-WITH_SCRIPT = {name for name in EXAMPLES if hasattr(importlib.import_module(f"keras_io.{name}"), "script")}
+WITH_SCRIPT = set(keras_io.ports("script"))
 SLOW = {"mobilenetv2_from_scratch", "image_classification_from_scratch",  # over 10 s each here
         "oxford_pets_image_segmentation", "bidirectional_lstm_imdb", "classification_with_grn_and_vsn"}
 

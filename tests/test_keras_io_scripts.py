@@ -12,7 +12,6 @@ tests/keras_io/README.md). Also: importing any port runs no TensorFlow.
 import importlib
 import json
 import os
-import pkgutil
 import subprocess
 import sys
 
@@ -24,8 +23,8 @@ import tensorflow as tf
 import gpupar
 import keras_io
 
-EXAMPLES = sorted(module.name for module in pkgutil.iter_modules(keras_io.__path__) if not module.name.startswith("_"))
-SCRIPTS = [name for name in EXAMPLES if hasattr(importlib.import_module(f"keras_io.{name}"), "script")]
+EXAMPLES = keras_io.ports()
+SCRIPTS = keras_io.ports("script")
 
 # 9 s or more here (a two-replica test also runs the one-device one when this process hasn't yet).
 SLOW_ONE_DEVICE = {"classification_with_grn_and_vsn"}

@@ -10,3 +10,12 @@ run the example with Keras' own fit; `m.train(functools.partial(other_fit, m.mod
 `m.script(strategy, other_fit, tmp)` run it with another fit of the same signature. Importing a
 module runs no TensorFlow. See README.md for sources and deviations.
 """
+
+import importlib
+import pkgutil
+
+
+def ports(entry=None):
+    """The names of the example modules, sorted; with `entry` ("model_fn", "script"), those that define it."""
+    names = sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    return [name for name in names if entry is None or hasattr(importlib.import_module(f"{__name__}.{name}"), entry)]
