@@ -15,7 +15,7 @@ from conftest import ROOT, make_idx_dir
 
 @pytest.mark.slow
 def test_quick_results_write_each_table_with_its_commit_command_date_and_machine(tmp_path):
-    """make train's table and diagnose's, which no other test runs through benchmarks.results.
+    """make train's table and diagnose's, which no other test runs through benchmarks.results; diagnose's JSON too.
 
     The five benchmarks' quick runs are their own tests' (tests/test_bench*.py); running them here
     again took four minutes of the suite. Their commands' flags are checked below.
@@ -40,6 +40,12 @@ def test_quick_results_write_each_table_with_its_commit_command_date_and_machine
     assert "TensorFlow 2." in markdown and f"Commit {commit}" in markdown
     assert "--epochs=1 --steps_per_epoch=2" in markdown and "| epoch | loss |" in markdown  # make train's table
     assert (work / "train" / "checkpoint").exists()
+    # `gpupar diagnose --json`: its standard output is the JSON alone (the run above parsed all of it), for machines.
+    report = written["tables"][1]["report"]
+    assert set(report) >= {"input_examples_per_second", "step_examples_per_second", "together_examples_per_second",
+                           "input_wait_fraction", "input_bound", "bound_by", "recommendations"}
+    assert report["steps"] == 4 and report["global_batch"] == 64
+    assert set(report["precisions"]) <= {"float32", "mixed_bfloat16", "mixed_float16"}
 
 
 @pytest.mark.parametrize("quick", [False, True])

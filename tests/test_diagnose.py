@@ -1,7 +1,5 @@
 """gpupar diagnose: three rates and a verdict that names the bound and the fix."""
 
-import json
-import os
 import subprocess
 import sys
 
@@ -45,20 +43,6 @@ def test_device_augmentation_leaves_the_pipeline_faster_than_the_step(idx_dir, f
 def test_too_few_steps_to_judge_is_an_error_before_any_work(idx_dir):
     with pytest.raises(GpuparError, match="diagnose_steps=3: judging needs at least 4 timed steps"):
         diagnose(steps=3, **_options(idx_dir))
-
-
-@pytest.mark.slow
-def test_cli_prints_json(idx_dir):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    out = subprocess.run(
-        [sys.executable, "-m", "gpupar", "diagnose", f"--data_dir={idx_dir}", "--per_replica_batch_size=256", "--diagnose_steps=4",
-         "--json"], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)  # the JSON alone, for machines
-    assert set(report) >= {"input_examples_per_second", "step_examples_per_second", "together_examples_per_second",
-                           "input_wait_fraction", "input_bound", "bound_by", "recommendations"}
-    assert report["steps"] == 4 and report["global_batch"] == 256
-    assert set(report["precisions"]) <= {"float32", "mixed_bfloat16", "mixed_float16"}
 
 
 def test_cli_bad_flag_fails_before_any_work(idx_dir):
