@@ -168,6 +168,12 @@ def test_fit_on_tfds_mock_data():
     assert result.records[0].steps == 4 and result.global_batch == 16
 
 
+@pytest.fixture(scope="module")
+def plain_one_device(shared_idx_dir):
+    """The float32 one-device run that the XLA and 16-bit runs are held to: the same run, made once per worker."""
+    return _fit(shared_idx_dir, strategy="one_device", per_replica_batch_size=32)
+
+
 def _update(result):
     """The change training made to the weights, as one vector."""
     return np.concatenate([(w - w0).ravel() for w, w0 in zip(result.model.get_weights(), _initial_weights())])
@@ -178,8 +184,8 @@ def _cosine(a, b):
 
 
 @pytest.mark.slow
-def test_jit_compile_compiles_the_step_and_keeps_the_update(shared_idx_dir, capsys):
-    plain = _fit(shared_idx_dir, strategy="one_device", per_replica_batch_size=32)
+def test_jit_compile_compiles_the_step_and_keeps_the_update(shared_idx_dir, plain_one_device, capsys):
+    plain = plain_one_device
     compiled = _fit(shared_idx_dir, strategy="one_device", per_replica_batch_size=32, jit_compile=True)
     assert "step: float32, compiled with XLA" in capsys.readouterr().out
     # XLA's own convolutions and fusions round differently: the same update to float32 rounding.
@@ -245,8 +251,8 @@ def test_jit_compile_with_several_cpu_replicas_trains_without_xla_and_says_so(sh
 
 
 @pytest.mark.parametrize("precision, dtype", [("mixed_bfloat16", "bfloat16"), ("mixed_float16", "float16")])
-def test_mixed_precision_computes_in_16_bits_and_keeps_the_update(shared_idx_dir, precision, dtype):
-    plain = _fit(shared_idx_dir, strategy="one_device", per_replica_batch_size=32)
+def test_mixed_precision_computes_in_16_bits_and_keeps_the_update(shared_idx_dir, plain_one_device, precision, dtype):
+    plain = plain_one_device
     mixed = _fit(shared_idx_dir, strategy="one_device", per_replica_batch_size=32, precision=precision)
     conv = mixed.model.layers[0]
     assert conv.compute_dtype == dtype and conv.kernel.dtype == "float32"  # float32 master weights
