@@ -169,9 +169,13 @@ def test_fit_on_tfds_mock_data():
 
 
 @pytest.fixture(scope="module")
-def plain_one_device(shared_idx_dir):
-    """The float32 one-device run that the XLA and 16-bit runs are held to: the same run, made once per worker."""
-    return _fit(shared_idx_dir, strategy="one_device", per_replica_batch_size=32)
+def plain(shared_idx_dir):
+    """The float32 one-device run that the XLA and 16-bit runs are held to: the same run, made once per worker.
+
+    save=False: a module fixture runs before the per-test chdir into tmp_path, so a saving run would write into
+    (and lock) the runs/ folder of wherever pytest started, shared by every worker.
+    """
+    return _fit(shared_idx_dir, strategy="one_device", per_replica_batch_size=32, save=False)
 
 
 def _update(result):
@@ -184,8 +188,7 @@ def _cosine(a, b):
 
 
 @pytest.mark.slow
-def test_jit_compile_compiles_the_step_and_keeps_the_update(shared_idx_dir, plain_one_device, capsys):
-    plain = plain_one_device
+def test_jit_compile_compiles_the_step_and_keeps_the_update(shared_idx_dir, plain, capsys):
     compiled = _fit(shared_idx_dir, strategy="one_device", per_replica_batch_size=32, jit_compile=True)
     assert "step: float32, compiled with XLA" in capsys.readouterr().out
     # XLA's own convolutions and fusions round differently: the same update to float32 rounding.
@@ -251,8 +254,7 @@ def test_jit_compile_with_several_cpu_replicas_trains_without_xla_and_says_so(sh
 
 
 @pytest.mark.parametrize("precision, dtype", [("mixed_bfloat16", "bfloat16"), ("mixed_float16", "float16")])
-def test_mixed_precision_computes_in_16_bits_and_keeps_the_update(shared_idx_dir, plain_one_device, precision, dtype):
-    plain = plain_one_device
+def test_mixed_precision_computes_in_16_bits_and_keeps_the_update(shared_idx_dir, plain, precision, dtype):
     mixed = _fit(shared_idx_dir, strategy="one_device", per_replica_batch_size=32, precision=precision)
     conv = mixed.model.layers[0]
     assert conv.compute_dtype == dtype and conv.kernel.dtype == "float32"  # float32 master weights
