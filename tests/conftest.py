@@ -131,6 +131,19 @@ def slow_host_warp(monkeypatch):
     monkeypatch.setattr(augment, "warp_numpy", warp)
 
 
+def two_replicas():
+    """Keras' own MirroredStrategy(["/cpu:0", "/cpu:1"]), with collective keys of its own.
+
+    Every MirroredStrategy made in one process numbers its all-reduces (collective group and
+    instance keys) from the same start, and the runtime remembers each instance's shape: a second
+    strategy's first all-reduce of another shape fails ("Shape mismatch in the collective instance
+    100"). TensorFlow's own tests give each strategy a new key base for that
+    (strategy_combinations._mirrored_strategy_with_collective_key_base); so does this.
+    """
+    tf.distribute.MirroredStrategy._collective_key_base += 100000
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
 def fit_data(data):
     """model.fit's x, y and sample_weight of test data given as (x, y) or (x, y, sample_weight); any other form is x."""
     if isinstance(data, tuple) and 2 <= len(data) <= 3:

@@ -1,5 +1,6 @@
 """gpupar.fit on the user's own model and data: replica equivalence, metrics, callbacks, resume, export, bad input."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -112,7 +113,7 @@ def test_metrics_cover_the_whole_eval_set_on_every_replica_count():
 
 
 def test_keras_dropout_draws_another_mask_on_each_replica():
-    from gpupar.models.layers import replica_seeds
+    from gpupar import keras_compat
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
@@ -122,12 +123,13 @@ def test_keras_dropout_draws_another_mask_on_each_replica():
         @tf.function
         def step():
             def replica():
-                with replica_seeds() if per_replica_seeds else _nothing():
+                with keras_compat.in_replica() if per_replica_seeds else contextlib.nullcontext():
                     return dropout(tf.ones([1, 64]), training=True)
 
             return strategy.experimental_local_results(strategy.run(replica))
 
-        return [m.numpy() != 0 for m in step()]
+        with keras_compat.per_replica_semantics():
+            return [m.numpy() != 0 for m in step()]
 
     first, second = masks(True)
     assert 0.2 < first.mean() < 0.8 and (first != second).mean() > 0.2
@@ -135,43 +137,46 @@ def test_keras_dropout_draws_another_mask_on_each_replica():
     assert (same_first == same_second).all()
 
 
-def test_replica_seeds_entered_from_many_threads_leave_keras_drawing_as_before():
-    """MirroredStrategy enters the context in a thread per replica; Keras must draw as before afterwards."""
+def test_per_replica_semantics_entered_from_many_threads_leave_keras_as_it_was():
+    """gpupar's calls may run in several threads; once every one has left, Keras' own functions are back."""
     import threading
 
+    from keras.src.losses import loss as keras_loss
     from keras.src.random.seed_generator import SeedGenerator
 
-    from gpupar.models.layers import replica_seeds
+    from gpupar import keras_compat
 
+    draw, scale = SeedGenerator.next, keras_loss.scale_loss_for_distribution
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
         generator = SeedGenerator(5)
 
     def draw_in_replicas():
-        return [s.numpy().tolist() for s in strategy.experimental_local_results(strategy.run(generator.next))]
+        def replica():
+            with keras_compat.in_replica():
+                return generator.next()
+        return [s.numpy().tolist() for s in strategy.experimental_local_results(strategy.run(replica))]
 
     barrier = threading.Barrier(8)
+    inside = []
 
     def enter():
-        with replica_seeds():
+        with keras_compat.per_replica_semantics():
             barrier.wait()  # all inside at once, then all leave
+            inside.append(SeedGenerator.next is not draw)
 
     threads = [threading.Thread(target=enter) for _ in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    assert inside == [True] * 8
     first, second = draw_in_replicas()
     assert first == second  # outside the context, Keras' own draw: the same seed on both replicas
-    assert getattr(SeedGenerator.next, "gpupar_replica_seeds", False)  # wrapped once, and left wrapped
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    assert SeedGenerator.next is draw and keras_loss.scale_loss_for_distribution is scale  # put back
+    with keras_compat.per_replica_semantics():
+        first, second = draw_in_replicas()
+    assert first != second  # control: inside, each replica draws apart
 
 
 def test_batch_norm_statistics_are_averaged_and_synchronized_batch_norm_matches_one_device():
@@ -407,8 +412,8 @@ def test_bad_input_is_one_line_before_any_step():
     _refused("validation_data is endless", good, x, y, validation_data=tf.data.Dataset.from_tensor_slices((x, y)).repeat())
     _refused("x: the arrays have different numbers of examples (x 256, y 255)", good, x, y[:-1])
     _refused("the labels reach 0..7, but the model has 4 outputs", good, x, y * 2 + (y == 3))
-    _refused("loss: unknown Keras loss name", good, x, y, loss="crossentropyy")
-    _refused("metrics: 'acuracy' is not a Keras metric name", good, x, y, metrics=["acuracy"])
+    _refused("loss: 'crossentropyy' is not a Keras name", good, x, y, loss="crossentropyy")
+    _refused("metrics: 'acuracy' is not a Keras name", good, x, y, metrics=["acuracy"])
     _refused("dataset is an option of the MNIST presets (gpupar.fit_mnist)", good, x, y, dataset="mnist")
     _refused("strategy=model_parallel needs stages", good, x, y, strategy="model_parallel", virtual_cpus=2)
     _refused("the model has no loss: compile it with one in model_fn", good, x, y, loss=None)

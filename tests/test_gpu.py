@@ -187,8 +187,8 @@ def test_the_sums_stay_on_the_replicas_until_the_call_ends():
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     iterator = iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(tf.ones([4])).repeat()))
-    run = steps_in_one_call(lambda batch: (tf.reduce_sum(batch), [tf.reduce_max(batch)]), (0.0, [0.0]), timed=True,
-                            strategy=strategy)
+    run = steps_in_one_call(lambda batch, states: ((tf.reduce_sum(batch), [tf.reduce_max(batch)]), states), (0.0, [0.0]),
+                            timed=True, strategy=strategy)
     graph = run.get_concrete_function(iterator, tf.constant(1), tf.constant(False)).graph
     reductions = [op for op in graph.get_operations() if op.type == "AddN"]
     assert len(reductions) >= 2  # the two sums, reduced once, outside the loop
@@ -200,8 +200,8 @@ def test_on_gpus_the_timed_steps_of_a_call_may_overlap_and_train_the_same():
     """The timed loop runs one step at a time only on CPUs; overlapping steps give the same update."""
     import keras
 
+    from gpupar import keras_compat
     from gpupar.training.inner_loop import timed_loop_iterations
-    from gpupar.training.objective import Objective
     from gpupar.training.steps.compiled import CompiledStep
     from gpupar.training.steps.step import train_function
 
@@ -215,15 +215,19 @@ def test_on_gpus_the_timed_steps_of_a_call_may_overlap_and_train_the_same():
             keras.utils.set_random_seed(1)
             model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
             optimizer = keras.optimizers.SGD(0.1)
+            model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+            keras_compat.symbolic_build(model, (x[:2], y[:2]))
             optimizer.build(model.trainable_variables)
-        objective = Objective("sparse_categorical_crossentropy", ["accuracy"], y[:2], model(x[:2]).numpy())
-        train = train_function(CompiledStep(model, objective, optimizer), strategy, parallel_iterations=iterations)
-        loop = train.get_concrete_function(iter(strategy.experimental_distribute_dataset(
-            tf.data.Dataset.from_tensor_slices((x, y)).batch(16))), tf.constant(1), tf.constant(False)).graph
+        step = CompiledStep(model, optimizer)
+        train = train_function(step, strategy, parallel_iterations=iterations)
+        with step.in_call():
+            loop = train.get_concrete_function(iter(strategy.experimental_distribute_dataset(
+                tf.data.Dataset.from_tensor_slices((x, y)).batch(16))), tf.constant(1), tf.constant(False)).graph
         assert [op.get_attr("parallel_iterations") for op in loop.get_operations()
                 if op.type.endswith("While")] == [iterations]
         iterator = iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(16)))
-        (loss_sum, _, rows, _), _, _ = train(iterator, tf.constant(6), tf.constant(False))
+        with step.in_call():
+            (loss_sum, rows), _, _ = train(iterator, tf.constant(6), tf.constant(False))
         results[iterations] = float(loss_sum) / float(rows), model.get_weights()
     (serial_loss, serial), (overlapped_loss, overlapped) = results[1], results[10]
     assert overlapped_loss == pytest.approx(serial_loss, rel=1e-6)

@@ -21,6 +21,7 @@ import pytest
 import tensorflow as tf
 
 import gpupar
+from conftest import two_replicas
 import keras_io
 
 EXAMPLES = keras_io.ports()
@@ -67,17 +68,6 @@ def _run(name, strategy, workdir, fit=keras.Model.fit):
     return example.script(strategy, fit, str(workdir))
 
 
-def _two_replicas():
-    """MirroredStrategy(["/cpu:0", "/cpu:1"]), with collective keys of its own.
-
-    Every MirroredStrategy made in one process numbers its all-reduces (collective group and
-    instance keys) from the same start, and the runtime remembers each instance's shape: a second
-    strategy's first all-reduce of another shape fails ("Shape mismatch in the collective instance
-    100"). TensorFlow's own tests give each strategy a new key base for that
-    (strategy_combinations._mirrored_strategy_with_collective_key_base); so does this.
-    """
-    tf.distribute.MirroredStrategy._collective_key_base += 100000
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
 def _one_device(name, tmp_path_factory):
@@ -111,7 +101,7 @@ def test_a_keras_io_script_trains_with_keras_fit_on_one_device(name, tmp_path_fa
 
 @pytest.mark.parametrize("name", [_two_replicas_param(n) for n in SCRIPTS])
 def test_a_keras_io_script_trains_with_keras_fit_on_two_replicas(name, tmp_path, tmp_path_factory):
-    strategy = _two_replicas()
+    strategy = two_replicas()
     assert strategy.num_replicas_in_sync == 2
     history = _run(name, strategy, tmp_path)
     _assert_trained(name, history)

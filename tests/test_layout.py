@@ -86,7 +86,7 @@ def test_the_walk_finds_a_circle_when_there_is_one():
 # Every package's modules, lowest first: a module may import from its own rank and those below it,
 # never from above; a package's own __init__ ranks above all of its modules (it may gather them).
 ORDER = {
-    "gpupar": ["errors", "config", "runtime", "data", "models", "monitor", "training", "presets", "commands",
+    "gpupar": ["errors", "keras_compat", "config", "runtime", "data", "models", "monitor", "training", "presets", "commands",
                "__init__", "cli", "__main__"],
     "gpupar.runtime": ["startup", "teardown", "nvml", "network", "cluster", "precision", "devices", "strategy", "stages",
                        "launch"],
@@ -96,7 +96,7 @@ ORDER = {
     "gpupar.models": ["layers", "convnet", "lstm", "staged", "export"],
     "gpupar.monitor": ["bottleneck", "profiling", "utilisation"],
     # The records and helpers first; then steps <- trainer <- modes <- setup <- loop <- run.
-    "gpupar.training": ["task", "result", "interrupt", "checkpoint", "outputs", "objective", "inner_loop", "steps",
+    "gpupar.training": ["task", "result", "interrupt", "checkpoint", "outputs", "loss", "inner_loop", "steps",
                         "trainer", "modes", "process", "model_setup", "setup", "multi_worker", "observers", "loop", "run"],
     "gpupar.training.steps": ["step", "parts", "compiled", "own", "pipelined"],
     "gpupar.training.modes": ["mode", "synchronous", "model_parallel", "parameter_server"],

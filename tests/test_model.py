@@ -6,7 +6,8 @@ import pytest
 import tensorflow as tf
 
 from gpupar.models.convnet import build_convnet
-from gpupar.models.layers import XlaBatchNormalization, replica_consistent_state, replica_seeds
+from gpupar import keras_compat
+from gpupar.models.layers import XlaBatchNormalization, replica_consistent_state
 
 
 def test_convnet_shapes_and_l2_in_the_loss():
@@ -19,12 +20,13 @@ def _masks(strategy, layer, shape):
     @tf.function
     def run():
         def replica():
-            with replica_seeds():
+            with keras_compat.in_replica():
                 return layer(tf.ones(shape), training=True)
 
         return strategy.run(replica)
 
-    return [(x.numpy() != 0) for x in strategy.experimental_local_results(run())]
+    with keras_compat.per_replica_semantics():
+        return [(x.numpy() != 0) for x in strategy.experimental_local_results(run())]
 
 
 def test_the_convnets_dropout_masks_differ_between_replicas_and_calls():

@@ -12,13 +12,13 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 import gpupar
+from gpupar import keras_compat
 from gpupar.errors import GpuparError
 from gpupar.models import convnet, lstm
 from gpupar.models.convnet import build_convnet
 from gpupar.models.lstm import build_lstm
 from gpupar.models.staged import build_on_stages, chain_layers
 from gpupar.runtime.stages import plan_stages, stage_of_layers
-from gpupar.training.objective import Objective
 from gpupar.presets.mnist import LOSS
 from gpupar.training.steps.pipelined import PipelineStep
 from gpupar.training.steps.step import train_function
@@ -186,10 +186,11 @@ def _pipeline(build, ends, plan, microbatches):
     model = build_on_stages(build, ends, plan.variable_devices)
     stage_of = stage_of_layers([layer.name for layer in chain_layers(model)], ends)
     images, labels = next(iter(_batches(2)))
-    objective = Objective(LOSS, ["accuracy"], labels.numpy(), model(images).numpy())
     optimizer = keras.optimizers.Adam()
+    model.compile(optimizer=optimizer, loss=LOSS, metrics=["accuracy"])
+    keras_compat.symbolic_build(model, (images, labels))
     optimizer.build(model.trainable_variables)
-    return PipelineStep(model, stage_of, plan, objective, optimizer, microbatches), model
+    return PipelineStep(model, stage_of, plan, optimizer, microbatches), model
 
 
 @pytest.mark.parametrize(
@@ -207,7 +208,8 @@ def test_every_op_of_stage_k_runs_on_device_k(build, ends, devices, microbatches
         assert {v.value.device for layer in layers for v in layer.weights} == {
             f"/job:localhost/replica:0/task:0/device:CPU:{plan.variable_devices[k][-1]}"}
     train = train_function(pipeline, None)
-    nodes = _placed_nodes(train, iter(_batches(16)), tf.constant(1))
+    with pipeline.in_call():
+        nodes = _placed_nodes(train, iter(_batches(16)), tf.constant(1))
     seen, wrong = set(), []
     for name, op, device in nodes:
         match = STAGE_SCOPE.search(name)
@@ -253,7 +255,9 @@ def _one_device_gradients(model, images, labels, global_batch, pieces=1):
 
 
 def _pipelined_gradients(pipeline, images, labels):
-    loss, _, grads = tf.function(lambda: pipeline.gradients((images, labels)))()
+    states = [tf.identity(v.value) for v in pipeline.state_variables]
+    with pipeline.in_call():
+        loss, grads, _ = tf.function(lambda: pipeline.gradients((images, labels), states))()
     return float(loss), [g.numpy() for g in grads]
 
 

@@ -91,9 +91,9 @@ def test_the_tuner_times_whole_call_cycles_after_the_traced_one_then_picks_once(
     tuner = StepsPerCallTuner(most=500, probe_steps=2)
     for _ in range(4):
         assert tuner.call_size(0, 100) == 2
-        tuner.on_call_begin(0)
+        tuner.on_call_begin(0, 0)
         tuner.on_call_end(CallEnd(0, 0, 2, Results(steps=2, waited=0.0, busy=0.002), dict))
-    tuner.on_call_begin(0)
+    tuner.on_call_begin(0, 0)
     assert tuner.chosen == steps_per_call_for(0.010, 0.001, 500) == 200
     assert tuner.call_size(0, 1000) == 200 and tuner.call_size(0, 7) == 7  # an epoch's end still cuts it
     assert "steps per call: auto chose 200" in caplog.text
@@ -104,7 +104,7 @@ def test_the_tuner_decides_at_a_short_epochs_end_from_what_it_measured(monkeypat
     monkeypatch.setattr("gpupar.training.observers.time.perf_counter", lambda: next(starts))
     tuner = StepsPerCallTuner(most=500)
     for _ in range(3):
-        tuner.on_call_begin(0)
+        tuner.on_call_begin(0, 0)
         tuner.on_call_end(CallEnd(0, 0, 2, Results(steps=2, waited=0.0, busy=0.002), dict))
     tuner.on_epoch_end(None, None, [])
     assert tuner.chosen == 200

@@ -199,24 +199,27 @@ def test_jit_compile_puts_each_replica_step_in_one_xla_computation():
     import keras
     import tensorflow as tf
 
+    from gpupar import keras_compat
     from gpupar.models.convnet import build_convnet
-    from gpupar.training.objective import Objective
     from gpupar.training.steps.compiled import CompiledStep
     from gpupar.training.steps.step import train_function
 
     strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    images, labels = tf.zeros([4, 28, 28, 1]), tf.zeros([4], tf.int32)
     with strategy.scope():
         model, adam = build_convnet(0.0), keras.optimizers.Adam()
+        model.compile(optimizer=adam, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        keras_compat.symbolic_build(model, (images, labels))
         adam.build(model.trainable_variables)
-    images, labels = tf.zeros([4, 28, 28, 1]), tf.zeros([4], tf.int32)
     iterator = iter(tf.data.Dataset.from_tensors((images, labels)).repeat())
 
-    objective = Objective(keras.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"], labels.numpy(),
-                          np.zeros([4, 10], np.float32))
-
     def compiled_calls(jit):
-        train = train_function(CompiledStep(model, objective, adam, jit_compile=jit), strategy)
-        library = train.get_concrete_function(iterator, tf.constant(1), tf.constant(False)).graph.as_graph_def().library
+        step = CompiledStep(model, adam, jit_compile=jit)
+        train = train_function(step, strategy)
+        with step.in_call():
+            library = train.get_concrete_function(iterator, tf.constant(1), tf.constant(False)).graph.as_graph_def(
+            ).library
         return [node.attr["f"].func.name for f in library.function for node in f.node_def
                 if node.attr["_XlaMustCompile"].b and "train" in node.attr["f"].func.name]
 
@@ -232,16 +235,17 @@ def test_the_xla_step_is_traced_on_a_full_batchs_static_shape_and_a_smaller_batc
 
     traced = []
 
-    def train(batch):
+    def train(batch, states):
         traced.append(batch.shape.as_list())
-        return tf.reduce_sum(batch)
+        return tf.reduce_sum(batch) + states[0]
 
-    step = tf.function(compiled_for_full_batches(train, 4)).get_concrete_function(tf.TensorSpec([None, 3]))
+    step = tf.function(compiled_for_full_batches(train, 4)).get_concrete_function(tf.TensorSpec([None, 3]),
+                                                                                  [tf.TensorSpec([])])
     assert sorted(traced, key=str) == [[4, 3], [None, 3]]
     library = step.graph.as_graph_def().library
     assert any(node.attr["_XlaMustCompile"].b for f in [step.graph.as_graph_def(), *library.function]
                for node in getattr(f, "node", getattr(f, "node_def", [])))
-    assert float(step(tf.ones([4, 3]))) == 12 and float(step(tf.ones([2, 3]))) == 6
+    assert float(step(tf.ones([4, 3]), [tf.constant(1.0)])) == 13 and float(step(tf.ones([2, 3]), [tf.constant(0.0)])) == 6
 
 
 @pytest.mark.slow

@@ -239,6 +239,6 @@ def _timed_steps(config: Config, task, mode, steps: int) -> dict:
     trainer.run_calls(iterator, WARM_UP_STEPS, first_call=True)
     started = time.perf_counter()
     results = trainer.run_calls(iterator, steps)
-    loss = (results.loss / max(results.kept_examples, 1.0) if results.step_logs is None
+    loss = (results.loss / max(results.examples, 1.0) if results.step_logs is None
             else next(iter(results.step_logs.values()), 0.0))  # a model's own step: its first log, the last step's
     return {"examples_per_second": steps * trainer.global_batch / (time.perf_counter() - started), "loss": loss}

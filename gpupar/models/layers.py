@@ -1,11 +1,11 @@
-"""Layers that gpupar uses in place of Keras' own, its augmentation layer, and the scope that keeps replicas consistent."""
+"""Layers that gpupar uses in place of Keras' own, its augmentation layer, and what keeps replicas consistent."""
 
 import contextlib
-import threading
 
 import keras
 import tensorflow as tf
 
+from gpupar import keras_compat
 from gpupar.data.augment import random_affine
 
 
@@ -36,80 +36,20 @@ def replica_consistent_state():
         yield
 
 
-_REPLICA_SEEDS = threading.local()  # how deep in replica_seeds() this thread is
-_INSTALL = threading.Lock()
-
-
-def _install_replica_seeds():
-    """Wraps Keras' SeedGenerator.next, once per process, so that it draws apart inside replica_seeds()."""
-    from keras.src.random.seed_generator import SeedGenerator
-
-    with _INSTALL:
-        keras_next = SeedGenerator.next
-        if getattr(keras_next, "gpupar_replica_seeds", False):
-            return
-
-        def next_on_this_replica(generator, ordered=True):
-            seed = keras_next(generator, ordered=ordered)
-            context = tf.distribute.get_replica_context()
-            if not getattr(_REPLICA_SEEDS, "depth", 0) or context is None or context.num_replicas_in_sync == 1:
-                return seed
-            replica = tf.cast(context.replica_id_in_sync_group, seed.dtype)
-            return seed + tf.stack([replica * tf.cast(7919, seed.dtype), tf.zeros_like(replica)])
-
-        next_on_this_replica.gpupar_replica_seeds = True
-        SeedGenerator.next = next_on_this_replica
-
-
-@contextlib.contextmanager
-def replica_seeds():
-    """Makes every Keras random layer draw its own numbers on each replica, while the context is open.
-
-    Keras' random layers (Dropout, GaussianNoise, the random image layers) take their seeds from a
-    SeedGenerator, whose state is one variable with the same value on every replica: under
-    MirroredStrategy every replica drops the same units of its examples. Inside this context a
-    seed drawn in a replica context of several replicas has the replica's index added to it, so
-    the replicas draw apart; the generator's state still advances as Keras' does, so a resumed run
-    draws what an uninterrupted one would. gpupar opens it around the model in its train step.
-    MirroredStrategy runs each replica's step in a thread of its own, so the context is kept per
-    thread, and Keras' method is wrapped once: swapping it in and out from several threads at
-    once could leave the swapped one in place.
-    """
-    _install_replica_seeds()
-    from keras.src.backend.common import global_state
-    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
-
-    if _SHARED.get("generator") is not None and global_state.get_global_attribute(GLOBAL_SEED_GENERATOR) is None:
-        global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, _SHARED["generator"])  # this replica's thread
-    _REPLICA_SEEDS.depth = getattr(_REPLICA_SEEDS, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _REPLICA_SEEDS.depth -= 1
-
-
-_SHARED = {}  # the global SeedGenerator that every replica's thread shares (global_seed_generator)
-
-
 def global_seed_generator(strategy):
     """Keras' global SeedGenerator (unseeded keras.random draws), made under `strategy` and shared by its replicas.
 
     Keras keeps it per thread and makes it on first use, and MirroredStrategy runs each replica
     in a thread of its own: an unseeded draw in a replica's step would make it inside the traced
     step, which TensorFlow refuses (keras-io's VAE fails so under model.fit). Made here once, in
-    the strategy's scope, it is the main thread's and every replica thread's (replica_seeds()),
-    draws apart on each replica, and checkpoints can hold it. The one use of Keras' global_state,
-    a private module (keras/src/backend/common/global_state.py; tests/test_keras_surface.py).
+    the strategy's scope, it is the main thread's and every replica thread's
+    (keras_compat.share_global_seed_generator), draws apart on each replica, and checkpoints can hold it.
     """
-    from keras.src.backend.common import global_state
-    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR, SeedGenerator
-
-    generator = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
-    if generator is None or getattr(generator.state.value, "_distribute_strategy", None) is not strategy:
+    generator = keras_compat.global_seed_generator()
+    if generator is None or keras_compat.variable_strategy(generator.state) is not strategy:
         with strategy.scope(), replica_consistent_state():
-            generator = SeedGenerator()
-        global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, generator)
-    _SHARED["generator"] = generator
+            generator = keras.random.SeedGenerator()
+    keras_compat.share_global_seed_generator(generator)
     return generator
 
 
@@ -168,7 +108,7 @@ def fall_back_from_xla(model, error) -> bool:
 
     Returns whether any layer changed.
     """
-    layers = [layer for layer in model._flatten_layers() if isinstance(layer, XlaBatchNormalization)]
+    layers = [layer for layer in keras_compat.all_layers(model) if isinstance(layer, XlaBatchNormalization)]
     if error is None or not layers:
         return False
     for layer in layers:

@@ -38,10 +38,8 @@ class Results:
     Attributes:
       steps: Steps finished.
       loss: Sum over the steps of each one's loss (the mean over its global batch) times its
-        examples, as Keras' epoch loss weighs them (0 for a step skipped as non-finite).
-      kept_examples: Examples of those steps, skipped ones left out.
+        examples (0 for a step skipped as non-finite): what the loop checks is finite.
       examples: Examples of those steps, skipped ones included.
-      states: The metrics' states summed over the steps (gpupar.training.objective), flattened.
       waited: Seconds the devices waited for input batches; None where not timed.
       busy: Seconds of the steps themselves; None where not timed.
       by_worker: Steps finished by each worker (parameter servers), else empty.
@@ -50,9 +48,7 @@ class Results:
 
     steps: int = 0
     loss: float = 0.0
-    kept_examples: float = 0.0
     examples: float = 0.0
-    states: list = dataclasses.field(default_factory=list)
     waited: Optional[float] = None
     busy: Optional[float] = None
     by_worker: Mapping[int, int] = dataclasses.field(default_factory=dict)
@@ -65,11 +61,8 @@ class Results:
         workers = dict(self.by_worker)
         for worker, steps in other.by_worker.items():
             workers[worker] = workers.get(worker, 0) + steps
-        states = [mine + theirs for mine, theirs in zip(self.states, other.states)] if self.states and other.states else (
-            self.states or other.states)
-        return Results(self.steps + other.steps, self.loss + other.loss, self.kept_examples + other.kept_examples,
-                       self.examples + other.examples, states, plus(self.waited, other.waited),
-                       plus(self.busy, other.busy), workers,
+        return Results(self.steps + other.steps, self.loss + other.loss, self.examples + other.examples,
+                       plus(self.waited, other.waited), plus(self.busy, other.busy), workers,
                        other.step_logs if other.step_logs is not None else self.step_logs)
 
 
@@ -106,36 +99,51 @@ def timed_loop_iterations(on_gpus: bool) -> int:
 
 
 def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_iterations=1, combine=None,
-                      reductions=None):
+                      reductions=None, state_variables=()):
     """A tf.function(iterator, num_steps) that runs batch_step on num_steps batches in one call.
 
-    batch_step(batch) returns a structure of float32 tensors shaped like `zeros`; they come back
-    summed over the steps. With a `strategy`, batch_step is a replica's step: it runs on every
-    replica (strategy.run), each replica keeps its own sums on its device through the call, and
-    the sums are reduced over the replicas once, when the call ends: no step waits for another's
-    numbers to reach the host. With `timed` the function takes a third argument, skip_first_wait
-    (default False), and also returns the seconds spent waiting for input batches and the rest of
-    the call's time (the steps: forward, backward, update), read from in-graph timestamps. A step's
-    wait is the mean over replicas of the time until the replica has its share of the batch (how
-    long a device sits idle for input); skip_first_wait leaves out the wait for the first batch (a
-    fresh pipeline filling up). On a GPU the timestamps are host-side: the call ends when its sums
-    have reached the host. parallel_iterations: steps of the timed loop under way at once
-    (timed_loop_iterations). combine(totals, values) and reductions (a ReduceOp for each part of
-    `zeros`) replace the sums, over steps and over replicas, where a step's results are not sums
-    (a model's own train_step: its last logs, averaged over the replicas).
+    batch_step(batch, states) returns (a structure of float32 tensors shaped like `zeros`, the new
+    states); the former come back summed over the steps. With a `strategy`, batch_step is a
+    replica's step: it runs on every replica (strategy.run), each replica keeps its own sums on its
+    device through the call, and the sums are reduced over the replicas once, when the call ends:
+    no step waits for another's numbers to reach the host. With `timed` the function takes a third
+    argument, skip_first_wait (default False), and also returns the seconds spent waiting for
+    input batches and the rest of the call's time (the steps: forward, backward, update), read from
+    in-graph timestamps. A step's wait is the mean over replicas of the time until the replica has
+    its share of the batch (how long a device sits idle for input); skip_first_wait leaves out the
+    wait for the first batch (a fresh pipeline filling up). On a GPU the timestamps are host-side:
+    the call ends when its sums have reached the host. parallel_iterations: steps of the timed loop
+    under way at once (timed_loop_iterations). combine(totals, values) and reductions (a ReduceOp
+    for each part of `zeros`) replace the sums, over steps and over replicas, where a step's
+    results are not sums (a model's own train_step: its last logs, averaged over the replicas).
+
+    state_variables (Keras variables: the compiled metrics') are read when the call starts; each
+    replica carries their values through its steps as `states` and updates them as Keras would
+    (gpupar.training.steps.parts.updated_metrics), and when the call ends every variable takes the
+    replicas' states as it declares its aggregation (carried_into).
     """
     combine = combine or _add
+    state_variables = list(state_variables)
 
     def start():
-        fresh = lambda: tf.nest.map_structure(lambda z: tf.zeros(np.shape(z), tf.float32), zeros)  # noqa: E731
-        return strategy.run(fresh) if strategy is not None else fresh()
+        begun = [tf.identity(v.value) for v in state_variables]  # read across the replicas, as Keras declares
+        fresh = lambda: (tf.nest.map_structure(lambda z: tf.zeros(np.shape(z), tf.float32), zeros),  # noqa: E731
+                         [tf.identity(value) for value in begun])
+        return (strategy.run(fresh) if strategy is not None else fresh()), begun
 
-    def step(totals, batch):
+    def replica_step(carried, batch):
+        totals, states = carried
+        values, states = batch_step(batch, states)
+        return combine(totals, values), list(states)
+
+    def step(carried, batch):
         if strategy is None:
-            return combine(totals, batch_step(batch))
-        return strategy.run(lambda replica_totals, share: combine(replica_totals, batch_step(share)), args=(totals, batch))
+            return replica_step(carried, batch)
+        return strategy.run(replica_step, args=(carried, batch))
 
-    def reduced(totals):
+    def reduced(carried, begun):
+        totals, states = carried
+        carried_into(state_variables, begun, states, strategy)
         if strategy is None:
             return totals
         ops = reductions if reductions is not None else tf.nest.map_structure(lambda _: SUM, zeros)
@@ -145,15 +153,16 @@ def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_it
     # converting gpupar's step code with autograph cost each fresh process seconds of tracing.
     @tf.function(autograph=False)
     def run(iterator, num_steps):
-        def body(i, totals):
-            return i + 1, step(totals, next(iterator))
+        def body(i, carried):
+            return i + 1, step(carried, next(iterator))
 
-        _, totals = tf.while_loop(lambda i, _: i < num_steps, body, (tf.constant(0), start()))
-        return reduced(totals)
+        first, begun = start()
+        _, carried = tf.while_loop(lambda i, _: i < num_steps, body, (tf.constant(0), first))
+        return reduced(carried, begun)
 
     @tf.function(autograph=False)
     def timed_run(iterator, num_steps, skip_first_wait=False):
-        def body(i, totals, waited):
+        def body(i, carried, waited):
             # On CPUs one iteration at a time, so a step asks for its batch once the one before it
             # has finished, update included: the while loop would otherwise start the next
             # iteration's ops early, and the rest of a step on another replica would count as
@@ -163,15 +172,16 @@ def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_it
             with tf.control_dependencies([asked]):
                 batch = next(iterator)
             arrived = _mean_arrival(batch)
-            totals = step(totals, batch)
+            carried = step(carried, batch)
             counted = tf.logical_not(tf.logical_and(skip_first_wait, tf.equal(i, 0)))
-            return i + 1, totals, waited + tf.where(counted, arrived - asked, tf.constant(0.0, tf.float64))
+            return i + 1, carried, waited + tf.where(counted, arrived - asked, tf.constant(0.0, tf.float64))
 
         began = tf.timestamp()
-        _, totals, waited = tf.while_loop(lambda i, *_: i < num_steps, body,
-                                          (tf.constant(0), start(), tf.constant(0.0, tf.float64)),
-                                          parallel_iterations=parallel_iterations)
-        totals = reduced(totals)
+        first, begun = start()
+        _, carried, waited = tf.while_loop(lambda i, *_: i < num_steps, body,
+                                           (tf.constant(0), first, tf.constant(0.0, tf.float64)),
+                                           parallel_iterations=parallel_iterations)
+        totals = reduced(carried, begun)
         with tf.device("/cpu:0"):
             on_host = [tf.identity(t) for t in tf.nest.flatten(totals)]
         with tf.control_dependencies([*on_host, waited]):
@@ -181,10 +191,45 @@ def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_it
     return timed_run if timed else run
 
 
-def weighed(loss, rows):
-    """(loss x rows, rows, rows) of a step: what its call sums for the epoch's loss and its examples."""
-    rows = tf.cast(rows, tf.float32)
-    return loss * rows, rows, rows
+def carried_into(variables, begun, states, strategy=None):
+    """Gives each Keras variable the replicas' final states, as the variable declares its aggregation.
+
+    "sum" (every Keras metric's totals and counts): the replicas' changes from `begun` are added
+    to the variable, by TensorFlow's own assign_add (Keras' is a read and a write, which a
+    variable summed on write over the replicas, as Keras 3.8's metrics or CentralStorageStrategy's,
+    would add again), or, where its replicas' values are summed when read (Keras 3.10 and
+    later), held whole by the first replica (an integer count split over replicas would round);
+    "mean": their mean; otherwise the first replica's.
+    """
+    if not variables:
+        return
+    if strategy is not None:
+        changes = strategy.run(lambda states: [s - b for s, b in zip(states, begun)], args=(states,))
+    else:
+        changes = [s - b for s, b in zip(states, begun)]
+    for index, variable in enumerate(variables):
+        aggregation = str(variable.aggregation).lower()
+        if strategy is None:
+            variable.value.assign_add(tf.cast(changes[index], variable.dtype))
+        elif "sum" in aggregation:
+            change = tf.cast(strategy.reduce(SUM, changes[index], axis=None), variable.dtype)
+            if _on_read(variable):  # its replicas' values are summed when read: the first holds it all, exactly
+                total = begun[index] + change
+                strategy.run(lambda v=variable, t=total: v.assign(tf.where(
+                    tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 0), t, tf.zeros_like(t))))
+            else:
+                variable.value.assign_add(change)
+        elif "mean" in aggregation:
+            variable.assign(strategy.reduce(tf.distribute.ReduceOp.MEAN, states[index], axis=None))
+        else:
+            variable.assign(strategy.experimental_local_results(states[index])[0])
+
+
+def _on_read(variable) -> bool:
+    """Whether a Keras variable keeps a value per replica, combined when read (tf.distribute's sync on read)."""
+    value = variable.value
+    return isinstance(value, tf.distribute.DistributedValues) and value.synchronization == \
+        tf.VariableSynchronization.ON_READ
 
 
 def unpack(batch):

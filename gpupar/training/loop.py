@@ -14,9 +14,7 @@ import logging
 import math
 import signal
 import time
-from typing import Dict, List, Optional, Tuple
-
-import numpy as np
+from typing import Dict, List, Optional
 
 from gpupar.errors import GpuparError
 from gpupar.training.checkpoint import Position
@@ -30,15 +28,15 @@ log = logging.getLogger("gpupar")
 
 @dataclasses.dataclass
 class EpochTotals:
-    """Sums over the steps of an epoch so far; a step checkpoint carries them into the resumed run.
+    """Counts over the steps of an epoch so far; a step checkpoint carries them into the resumed run.
+
+    The loss and metrics are not here: they are the model's own Keras metrics, which checkpoints
+    hold with the model (Step.state).
 
     Attributes:
       steps: Steps run, skipped ones included.
       skipped: Steps dropped for a non-finite loss or gradient.
       examples: Training examples of all those steps (for the speed).
-      kept_examples: Examples of the steps kept (for the mean loss).
-      loss: Sum over the kept steps of each step's loss times its examples.
-      states: The metrics' states summed over the steps (gpupar.training.objective), flattened.
       seconds: Wall time of the steps.
       by_worker: Steps each worker ran (parameter servers), by worker index as a string.
       step_logs: What a model's own train_step returned at its last step so far, else None.
@@ -47,9 +45,6 @@ class EpochTotals:
     steps: int = 0
     skipped: int = 0
     examples: int = 0
-    kept_examples: int = 0
-    loss: float = 0.0
-    states: List[list] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
     by_worker: Dict[str, int] = dataclasses.field(default_factory=dict)
     step_logs: Optional[Dict[str, float]] = None
@@ -69,39 +64,24 @@ class EpochTotals:
         """Adds one call's finished steps, `skipped` of them dropped as non-finite."""
         self.steps, self.skipped = self.steps + results.steps, self.skipped + skipped
         self.examples += int(results.examples)
-        self.kept_examples += int(results.kept_examples)
-        self.loss += results.loss
-        if results.states:
-            self.states = [np.add(total, more).tolist() for total, more in zip(self.states, results.states)] if self.states else [
-                np.asarray(s).tolist() for s in results.states]
         for worker, steps in results.by_worker.items():
             self.by_worker[str(worker)] = self.by_worker.get(str(worker), 0) + steps
         if results.step_logs is not None:
             self.step_logs = dict(results.step_logs)
 
-    def non_finite(self) -> Tuple[Optional[str], Optional[float]]:
-        """(name, value) of the first figure that is NaN or infinite (the loss, a model's own step's logs), else (None, None)."""
-        for name, value in [("loss", self.loss), *(self.step_logs or {}).items()]:
-            if not math.isfinite(value):
-                return name, value
-        return None, None
-
     def since(self, earlier: "EpochTotals") -> "EpochTotals":
-        """The sums of the steps after `earlier`."""
-        states = [np.subtract(now, then).tolist() for now, then in zip(self.states, earlier.states or
-                                                             [np.zeros_like(s) for s in self.states])]
+        """The counts of the steps after `earlier`."""
         return EpochTotals(self.steps - earlier.steps, self.skipped - earlier.skipped, self.examples - earlier.examples,
-                           self.kept_examples - earlier.kept_examples, self.loss - earlier.loss, states, self.seconds - earlier.seconds,
+                           self.seconds - earlier.seconds,
                            {w: n - earlier.by_worker.get(w, 0) for w, n in self.by_worker.items()}, self.step_logs)
 
-    def logs(self, metric_results) -> dict:
-        """{"loss": ..., "<metric>": ...} of these steps, Keras' names; a model's own step's last logs as it returned them.
 
-        metric_results(states) -> {name: value} of the metrics' summed states (Step.metric_results).
-        """
-        if self.step_logs is not None:
-            return dict(self.step_logs)
-        return {"loss": self.loss / max(self.kept_examples, 1), **metric_results(self.states)}
+def non_finite(results: Results):
+    """(name, value) of the first figure of a call that is NaN or infinite (its loss, a model's own step's logs), else (None, None)."""
+    for name, value in [("loss", results.loss), *(results.step_logs or {}).items()]:
+        if isinstance(value, float) and not math.isfinite(value):
+            return name, value
+    return None, None
 
 
 def _stopped_without_saving(latest_checkpoint) -> str:
@@ -159,7 +139,7 @@ class Loop:
         """Runs one call of num_steps steps and adds what it reports to the epoch."""
         trainer = self.trainer
         updates_before = int(trainer.updates.numpy()) if self.skips else 0
-        self.observers.on_call_begin(self.done)
+        self.observers.on_call_begin(self.done, current.asked)
         results = trainer.run_steps(self.input, num_steps, self.done == 0)
         self.done += num_steps
         # The update counter stands still on a skipped step.
@@ -171,14 +151,14 @@ class Loop:
         trainer = self.trainer
         before, current.finished = current.finished, current.finished + results.steps
         current.totals.add(results, skipped)
-        name, value = current.totals.non_finite()
+        name, value = non_finite(results)
         if name is not None:
             where = f"step {current.finished}" if before + 1 == current.finished else \
                 f"one of steps {before + 1}..{current.finished}"
             raise GpuparError(f"training {name} became {value} at epoch {current.epoch}, {where}; "
                               f"{_stopped_without_saving(self.checkpoints.latest)}")
         self.observers.on_call_end(CallEnd(self.done, current.epoch, current.finished, results,
-                                           lambda: current.totals.logs(trainer.step.metric_results)))
+                                           lambda: trainer.step.logs(current.totals.step_logs)))
         display = self.options.display_step
         if results.steps and display and (_crosses(before, current.finished, display)
                                           or current.finished == trainer.steps_per_epoch or self.stop.signum):
@@ -190,7 +170,7 @@ class Loop:
         per_epoch = self.trainer.steps_per_epoch
         self.observers.on_progress(ProgressLine(
             current.epoch, current.finished, per_epoch, current.epoch * per_epoch + current.finished,
-            interval.logs(self.trainer.step.metric_results), interval.examples / (now - current.shown_time),
+            self.trainer.step.logs(current.totals.step_logs), interval.examples / (now - current.shown_time),
             current.totals.examples, interval.skipped, dict(interval.by_worker)))
         current.shown, current.shown_time = current.totals.copy(), now
 
@@ -249,8 +229,8 @@ class Loop:
         totals = current.totals
         totals.seconds += time.perf_counter() - current.began
         figures = self.observers.epoch_figures()  # before the evaluation, which they do not measure
-        logs = totals.logs(self.trainer.step.metric_results)  # before the evaluation, which a layer's metric sees
-        evaluation = self.trainer.evaluate() if self.options.evaluates_after(current.epoch) else {}
+        logs = self.trainer.step.logs(totals.step_logs)  # before the evaluation, which resets the metrics
+        evaluation = self.trainer.evaluate(self.observers) if self.options.evaluates_after(current.epoch) else {}
         return EpochRecord(
             epoch=current.epoch, logs={**logs, **evaluation},
             seconds=totals.seconds, examples_per_second=totals.examples / totals.seconds, steps=totals.steps,
@@ -289,5 +269,7 @@ class Loop:
             if self.trainer.model.stop_training:
                 log.info("Epoch:[%d] a callback stopped training", epoch)
                 break
+        if start.epoch < epochs:
+            self.trainer.finalize()  # as Keras' fit, once its epochs are done (or a callback stopped them)
         self.observers.on_train_end(history)
         return history

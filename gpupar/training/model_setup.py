@@ -2,9 +2,11 @@
 
 `model_and_optimizer` makes them for the one set-up (gpupar.training.setup): the model from the
 task's model_fn in the run's dtype policy, or the model gpupar.fit was given (trained as it is
-where it was built under the run's strategy, or rebuilt under it from its config, weights and
-compile arguments), and the optimizer from the model's compile (kept as it is for a given
-model, so its state carries from fit to fit) or from gpupar.fit's arguments.
+where it was built under the run's strategy, or rebuilt under it by Keras' own cloning, with its
+weights and compile arguments), and the optimizer from the model's compile (kept as it is for a
+given model, so its state carries from fit to fit) or from gpupar.fit's arguments. The model
+ends compiled, and built as Keras' fit builds it before its first step (keras_compat.symbolic_build):
+a model without an Input, its compiled metrics and loss, from one batch's shapes.
 """
 
 import dataclasses
@@ -14,8 +16,10 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from gpupar import keras_compat
 from gpupar.errors import GpuparError
 from gpupar.models.layers import replica_consistent_state
+from gpupar.training.inner_loop import unpack
 from gpupar.training.steps.own import has_own_step
 
 log = logging.getLogger("gpupar")
@@ -65,20 +69,10 @@ def compile_arguments(model, task) -> Compiled:
     if model.run_eagerly:
         raise GpuparError("the model is compiled with run_eagerly=True, which runs model.fit's step eagerly for "
                           "debugging; gpupar runs its step in one tf.function per call: compile without it")
-    settings = _compile_settings(model)
+    settings = keras_compat.compile_settings(model)
     return Compiled(model.optimizer, model.loss, settings.get("loss_weights"), settings.get("metrics"),
                     settings.get("weighted_metrics"), int(model.steps_per_execution or 1), bool(model.jit_compile),
                     by_user=True, own_step=own_step)
-
-
-def _compile_settings(model) -> dict:
-    """compile()'s metrics, weighted_metrics and loss_weights as given: the one read of Keras' private attributes.
-
-    Keras 3 keeps the optimizer, loss, jit_compile, run_eagerly and steps_per_execution as public
-    attributes, but the metrics as given only in `_compile_config` (get_compile_config() returns
-    them serialized, metric objects as dicts). tests/test_fit.py trains compiled metrics through it.
-    """
-    return model._compile_config.config
 
 
 def _checked_own_step(model, mode, step):
@@ -112,33 +106,38 @@ def model_and_optimizer(step, task, mode, placement, train):
 
     All are made under the placement's scope, the model's layers in the run's dtype policy. A
     model given built keeps its optimizer (and so its state from an earlier fit) where it trains
-    as it is (_given_model); the placement is then the one it trains under.
+    as it is (_given_model); the placement is then the one it trains under. The model ends
+    compiled with the optimizer that applies the updates, and built as Keras' fit builds it.
     """
     previous_policy = keras.config.dtype_policy()
     if step.precision != "float32":
         keras.config.set_dtype_policy(step.precision)  # the user's layers compute in 16 bits, weights stay float32
     try:
-        if task.model is not None:
-            model, placement = _given_model(task.model, mode, placement, step)
+        model, moved = task.model, False
+        if model is not None:
+            placement, moved = _given_model(model, mode, placement, step)
         with placement.strategy.scope():
             with replica_consistent_state():  # the model's state only: the optimizer's keeps Keras' aggregation
-                if task.model is None:
-                    model = mode.build_model(lambda: _checked_own_step(task.build_model(), mode, step), placement,
-                                             train.sample())
-                elif model is not task.model:
-                    model = _rebuilt(task.model)
-            compiled = compile_arguments(task.model or model, task)
+                if model is None:
+                    model = mode.build_model(lambda: _checked_own_step(task.build_model(), mode, step), placement)
+                elif moved:
+                    keras_compat.move_variables(model, placement.strategy)
+            compiled = compile_arguments(model, task)
             if compiled.own_step:
-                if not compiled.optimizer.built:
-                    compiled.optimizer.build(model.trainable_variables)  # as model.fit builds it
-                return model, placement, compiled, model.trainable_variables, compiled.optimizer, compiled.optimizer
-            updated, split = mode.updated_variables(model)
-            if model is task.model and compiled.by_user:
+                inner = applied = compiled.optimizer  # its own, built on the model's variables as model.fit builds it
+            elif task.model is not None and compiled.by_user and not moved:
                 inner, applied = _kept_optimizer(model.optimizer, step)
-            else:  # a fresh one: from model_fn's compile, fit's arguments, or a rebuilt model's compile
+            else:  # a fresh one: from model_fn's compile, fit's arguments, or a moved model's compile
                 inner = _optimizer(compiled.optimizer, step.learning_rate, used=task.model is not None)
                 applied = _loss_scaled(inner, step)
-            if not applied.built:
+            _compiled_for_the_run(model, compiled, applied, recompiled=moved)
+            sample = train.sample()
+            if not compiled.own_step:
+                _check_labels_given(compiled, sample)
+            with replica_consistent_state():  # the variables of a model without an Input, made by Keras' build
+                _built(model, sample, compiled.own_step)
+            updated, split = (model.trainable_variables, []) if compiled.own_step else mode.updated_variables(model)
+            if applied is not None and not applied.built:
                 applied.build(updated)  # each slot variable is placed beside its variable
     finally:
         keras.config.set_dtype_policy(previous_policy)
@@ -147,16 +146,80 @@ def model_and_optimizer(step, task, mode, placement, train):
     return model, placement, compiled, updated, inner, applied
 
 
-def _given_model(model, mode, placement, step):
-    """(the given model, or a marker that it must be rebuilt; the placement it trains under).
+def _check_labels_given(compiled: Compiled, sample):
+    """Refuses a compiled loss or metrics without labels in the data (a tuple x is the model's inputs, as in Keras)."""
+    if unpack(sample)[1] is not None:
+        return
+    if any(loss is not None for loss in tf.nest.flatten(compiled.loss)):
+        raise GpuparError("the loss needs labels, but there is no y: pass y (gpupar.fit(model_fn, x, y, ...); as in "
+                          "Keras a tuple x is the model's inputs), or train on x alone with a loss the model adds")
+    if compiled.metrics or compiled.weighted_metrics:
+        raise GpuparError("the metrics need labels, but there is no y: pass y, or no metrics")
 
-    A model built under the run's strategy trains as it is; one built outside any strategy trains
-    as it is on one device (under TensorFlow's default strategy, as model.fit without one) and is
-    rebuilt under the strategy for several.
+
+def _built(model, sample, own_step: bool):
+    """Builds the model, its compiled metrics and loss as Keras' fit does (keras_compat.symbolic_build).
+
+    A model with its own train_step that Keras cannot build so (a compiled loss it never uses, on
+    data without labels; no call() to build its compiled metrics with) is left to build itself
+    when its step is first traced, as Keras' fit leaves a model made outside any strategy.
 
     Raises:
-      GpuparError: a mode that builds the model itself, a model of another strategy, a model that
-        Keras cannot rebuild, precision for a built model.
+      GpuparError: what Keras found wrong building a compiled model on the first batch's shapes, in one line.
+    """
+    try:
+        keras_compat.symbolic_build(model, sample)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
+        if own_step:
+            return
+        raise GpuparError(f"Keras could not build {model.name} ({type(model).__name__}) on the training data's first "
+                          f"batch: {type(e).__name__}: {_first_line(e)}") from e
+
+
+def _first_line(error) -> str:
+    """The first line of an error's message that says something (Keras' often start with a blank one)."""
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+
+
+def _compiled_for_the_run(model, compiled: Compiled, applied, recompiled: bool):
+    """Leaves the model compiled as Keras' fit needs it, with `applied` as its optimizer; in the strategy's scope.
+
+    A model that came compiled keeps its compile (its loss and metric objects; one whose variables
+    moved under the strategy is compiled again with the same arguments and fresh metric objects,
+    whose variables are made under it). One that did not is compiled with fit's loss and metrics,
+    as the user would compile it.
+    """
+    if compiled.by_user and not recompiled:
+        model.optimizer = applied  # where Keras' callbacks (ReduceLROnPlateau, LearningRateScheduler) look for it
+        return
+    model.compile(optimizer=applied, loss=compiled.loss, loss_weights=compiled.loss_weights,
+                  metrics=_fresh(compiled.metrics), weighted_metrics=_fresh(compiled.weighted_metrics),
+                  steps_per_execution=compiled.steps_per_execution, jit_compile=compiled.jit_compile)
+
+
+def _fresh(metrics):
+    """The metrics as compile takes them, each keras.metrics.Metric object made again from its config."""
+    if isinstance(metrics, keras.metrics.Metric):
+        return metrics.__class__.from_config(metrics.get_config())
+    if isinstance(metrics, dict):
+        return {key: _fresh(value) for key, value in metrics.items()}
+    if isinstance(metrics, (list, tuple)):
+        return type(metrics)(_fresh(value) for value in metrics)
+    return metrics
+
+
+def _given_model(model, mode, placement, step):
+    """(the placement the given model trains under, whether its variables must move under the strategy first).
+
+    A model built under the run's strategy trains as it is (so does one whose variables an
+    earlier fit moved under it); one built outside any strategy trains as it is on one device
+    (under TensorFlow's default strategy, as model.fit without one), and for several its
+    variables are made again under the strategy, with their values, as if it had been built in
+    the strategy's scope: the same model object trains, whatever its class.
+
+    Raises:
+      GpuparError: a mode that builds the model itself, a model of another strategy, precision
+        for a built model.
     """
     if not mode.takes_built_model:
         raise GpuparError(f"strategy={mode.name} places the variables as it builds the model; pass a function that "
@@ -167,41 +230,29 @@ def _given_model(model, mode, placement, step):
                           f"model is built already: call keras.config.set_dtype_policy({step.precision!r}) before "
                           "building it (and drop precision)")
     made_under = strategy_of(model)
-    if made_under is placement.strategy:
-        return model, placement
+    moved = made_under is None and bool(model.variables) and all(
+        keras_compat.variable_strategy(v) is placement.strategy for v in model.variables)
+    if made_under is placement.strategy or moved:
+        return placement, False
     if made_under is not None:
         raise GpuparError(f"{model.name} was built under another strategy than this fit's ({placement.description}); "
                           "build it under gpupar.strategy(...) with the fit's options, or fit it without strategy "
                           "options")
     if placement.replicas == 1 and placement.workers == 1 and len(placement.devices) == 1:
-        return model, dataclasses.replace(placement, strategy=tf.distribute.get_strategy())
-    if not _clonable(model):
-        raise GpuparError(f"{model.name} ({type(model).__name__}) was built outside any strategy, and Keras can rebuild "
-                          "only Sequential and functional models; build it under the strategy: strategy = "
-                          "gpupar.strategy(...) first thing in the script, then `with strategy.scope():` around its "
-                          "build and compile")
-    log.info("model: %s was built outside any strategy, so it is rebuilt under this one from its config, weights "
-             "and compile arguments (its optimizer's state starts afresh); its trained weights are copied back at the "
-             "end", model.name)
-    return None, placement
+        return dataclasses.replace(placement, strategy=tf.distribute.get_strategy()), False
+    if has_own_step(model):  # its optimizers, made outside, would apply their updates under no strategy
+        raise GpuparError(f"{model.name} ({type(model).__name__}) has its own train_step and was built outside any "
+                          "strategy, with its optimizers; build it and compile it under the strategy: strategy = "
+                          "gpupar.strategy(...) first thing in the script, then `with strategy.scope():` around both")
+    log.info("model: %s was built outside any strategy, so its variables are made again under this one, with their "
+             "values, as if it had been built in its scope (its optimizer starts afresh, from its config); later fits "
+             "train it there as it is", model.name)
+    return placement, True
 
 
 def strategy_of(model):
-    """The tf.distribute.Strategy whose scope the model was made in, None outside any: the one private read of Keras'
-    trainer (keras/src/backend/tensorflow/trainer.py sets it when a model is made; tests/test_front_door.py checks it).
-    """
-    return model._distribute_strategy
-
-
-def _clonable(model) -> bool:
-    return isinstance(model, keras.Sequential) or getattr(model, "_is_graph_network", False)
-
-
-def _rebuilt(model):
-    """A copy of a Sequential or functional model, made in the current scope, with its weights."""
-    clone = keras.models.clone_model(model)
-    clone.set_weights(model.get_weights())
-    return clone
+    """The tf.distribute.Strategy whose scope the model was made in, None outside any (keras_compat.strategy_of)."""
+    return keras_compat.strategy_of(model)
 
 
 def _kept_optimizer(optimizer, step):
@@ -213,19 +264,6 @@ def _kept_optimizer(optimizer, step):
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer.inner_optimizer, optimizer
     return optimizer, _loss_scaled(optimizer, step)
-
-
-def compiled_for_keras(model, compiled: Compiled, applied, placement):
-    """Leaves the model compiled as the user would after model.fit: evaluate, predict and save work on it.
-
-    A model that came compiled keeps its compile, with the optimizer that trained it; one that
-    did not is compiled with fit's loss and metrics, under the strategy's scope.
-    """
-    if compiled.by_user:
-        model.optimizer = applied  # where Keras' callbacks (ReduceLROnPlateau, LearningRateScheduler) look for it
-        return
-    with placement.strategy.scope():
-        model.compile(optimizer=applied, loss=compiled.loss, metrics=compiled.metrics)
 
 
 def _optimizer(given, learning_rate: float, used: bool = False):

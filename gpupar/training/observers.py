@@ -53,7 +53,7 @@ class ProgressLine:
       step: Steps of the epoch finished so far.
       steps_per_epoch: Steps in the epoch.
       global_step: Steps of the whole run finished so far (the TensorBoard step).
-      logs: The loss and metrics over these steps.
+      logs: The loss and metrics of the epoch so far (as Keras' progress bar shows them).
       examples_per_second: Training examples per second over these steps.
       examples: Examples of the epoch so far.
       skipped: Steps of these skipped as non-finite.
@@ -84,14 +84,26 @@ class Observer:
         """The steps the next call may run, at most `num`, `done` steps run so far (a window's edge cuts it)."""
         return num
 
-    def on_call_begin(self, done: int):
-        """Before a call of steps, `done` steps run so far."""
+    def on_call_begin(self, done: int, step: int):
+        """Before a call of steps, `done` steps run so far, the call's first step the epoch's `step` (from 0)."""
 
     def on_call_end(self, call: CallEnd):
         """After a call of steps."""
 
     def on_progress(self, line: ProgressLine):
         """At a progress line: every display_step steps, at the epoch's end and before a stop."""
+
+    def on_test_begin(self):
+        """Before an evaluation (Keras' callback hook of the same name)."""
+
+    def on_test_batch_begin(self, step: int):
+        """Before a call of evaluation steps, its first the evaluation's `step` (from 0)."""
+
+    def on_test_batch_end(self, step: int, logs: Dict[str, float]):
+        """After a call of evaluation steps, its last the evaluation's `step`; `logs`: the evaluation's so far."""
+
+    def on_test_end(self, logs: Dict[str, float]):
+        """After an evaluation, with its logs (Keras' names, without "val_")."""
 
     def epoch_figures(self) -> dict:
         """Fields of the epoch's EpochRecord that this observer measured."""
@@ -141,7 +153,7 @@ class StepsPerCallTuner(Observer):
     def call_size(self, done: int, num: int) -> int:
         return min(num, self.chosen or self.probe_steps)
 
-    def on_call_begin(self, done: int):
+    def on_call_begin(self, done: int, step: int):
         now = time.perf_counter()
         if self.chosen is None and self.last is not None:  # the call before: its cycle, from its start to this one's
             in_graph, step = self.last
@@ -261,7 +273,7 @@ class Profile(Observer):
     def call_size(self, done, num):
         return self.window.limit(done, num)
 
-    def on_call_begin(self, done):
+    def on_call_begin(self, done, step):
         self.window.before(done)
 
     def on_call_end(self, call):
@@ -312,9 +324,11 @@ class MetricsFile(Observer):
 class KerasCallbacks(Observer):
     """The user's Keras callbacks, called as model.fit calls them, with Keras' History and progress bar.
 
-    on_train_begin/end, on_epoch_begin/end with the epoch's logs, and on_train_batch_end once per
-    call of steps with the epoch's logs so far (as model.fit with steps_per_execution); params as
-    model.fit sets them (verbose, epochs, steps); model.history is a keras.callbacks.History.
+    Every hook model.fit calls: on_train_begin/end, on_epoch_begin/end with the epoch's logs,
+    on_train_batch_begin/end around each call of steps with the epoch's logs so far (as model.fit
+    with steps_per_execution), and the evaluation's on_test_begin/end and on_test_batch_begin/end
+    (as model.fit's evaluate, with the same callbacks); params as model.fit sets them (verbose,
+    epochs, steps); model.history is a keras.callbacks.History.
     """
 
     def __init__(self, callbacks, model, epochs: int, steps: int, verbose=0, progress_bar: bool = False):
@@ -327,9 +341,24 @@ class KerasCallbacks(Observer):
     def on_epoch_begin(self, epoch):
         self.callbacks.on_epoch_begin(epoch)
 
+    def on_call_begin(self, done, step):
+        self.callbacks.on_train_batch_begin(step)
+
     def on_call_end(self, call):
         if call.results.steps:
             self.callbacks.on_train_batch_end(call.step - 1, call.logs())
+
+    def on_test_begin(self):
+        self.callbacks.on_test_begin()
+
+    def on_test_batch_begin(self, step):
+        self.callbacks.on_test_batch_begin(step)
+
+    def on_test_batch_end(self, step, logs):
+        self.callbacks.on_test_batch_end(step, logs)
+
+    def on_test_end(self, logs):
+        self.callbacks.on_test_end(logs)
 
     def on_epoch_end(self, record, saved, history):
         self.callbacks.on_epoch_end(record.epoch, dict(record.logs))
@@ -359,14 +388,26 @@ class Observers(Observer):
             num = observer.call_size(done, num)
         return num
 
-    def on_call_begin(self, done):
-        self._each("on_call_begin", done)
+    def on_call_begin(self, done, step):
+        self._each("on_call_begin", done, step)
 
     def on_call_end(self, call):
         self._each("on_call_end", call)
 
     def on_progress(self, line):
         self._each("on_progress", line)
+
+    def on_test_begin(self):
+        self._each("on_test_begin")
+
+    def on_test_batch_begin(self, step):
+        self._each("on_test_batch_begin", step)
+
+    def on_test_batch_end(self, step, logs):
+        self._each("on_test_batch_end", step, logs)
+
+    def on_test_end(self, logs):
+        self._each("on_test_end", logs)
 
     def epoch_figures(self):
         figures = {}

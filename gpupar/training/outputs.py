@@ -8,10 +8,12 @@ output options and the folder names that exist (tests call it with made-up names
 `resolve_outputs` reads runs/ and applies the plan.
 """
 
+import contextlib
 import dataclasses
 import logging
 import os
 import re
+import shutil
 from typing import Optional, Sequence
 
 log = logging.getLogger("gpupar")
@@ -88,3 +90,24 @@ def describe_outputs(outputs, checkpoint: Optional[str]) -> str:
     if outputs.metrics_json is not None:
         parts.append(f"metrics: {outputs.metrics_json}")
     return "outputs: " + ("; ".join(parts) if parts else "none written (save=False)")
+
+
+@contextlib.contextmanager
+def left_clean_on_error(model_dir: Optional[str]):
+    """While open, a run that fails before its first checkpoint removes the folders it made (model_dir, runs/).
+
+    Bad input found only when the step is first traced (a model with no loss at all, as Keras'
+    compute_loss finds it) must leave nothing behind, as the checks before it do; a folder that
+    existed before the run, or holds a checkpoint, is kept.
+    """
+    made = []
+    folder = os.path.abspath(model_dir) if model_dir else None
+    while folder and not os.path.exists(folder):
+        made.append(folder)
+        folder = os.path.dirname(folder)
+    try:
+        yield
+    except Exception:
+        if made and not any("checkpoint" in files for _, _, files in os.walk(made[0])):
+            shutil.rmtree(made[-1], ignore_errors=True)
+        raise

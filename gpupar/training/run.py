@@ -23,7 +23,7 @@ from gpupar.training.interrupt import StopRequests
 from gpupar.training.loop import Loop
 from gpupar.training.observers import (GpuUse, InputWaitMonitor, KerasCallbacks, MetricsFile, Observers, Profile,
                                        ProgressLog, StepsPerCallTuner, TensorBoardScalars)
-from gpupar.training.outputs import describe_outputs, resolve_outputs
+from gpupar.training.outputs import describe_outputs, left_clean_on_error, resolve_outputs
 from gpupar.training.result import FitResult, format_logs
 from gpupar.training.setup import build_trainer
 from gpupar.training.task import Task
@@ -73,6 +73,7 @@ def _train(config: Config, task: Task, mode) -> FitResult:
     started = time.perf_counter()
     trainer = build_trainer(config, task, mode, cluster)  # every check of the input first: nothing is written before
     with contextlib.ExitStack() as held:
+        held.enter_context(left_clean_on_error(outputs.model_dir if chief and outputs.save else None))
         held.enter_context(ModelDirLock(outputs.model_dir if chief and outputs.save else None))
         stop = held.enter_context(StopRequests())
         scratch = None
@@ -104,7 +105,7 @@ def _run(config: Config, outputs, trainer, task, stop, cluster, scratch_dir, sta
 
     def result(history, logs):
         return FitResult(
-            model=trainer.given_model or trainer.model, strategy=trainer.strategy, records=list(history), logs=logs,
+            model=trainer.model, strategy=trainer.strategy, records=list(history), logs=logs,
             total_seconds=time.perf_counter() - started, strategy_description=trainer.description,
             replicas=trainer.replicas, global_batch=trainer.global_batch, start_epoch=start.epoch,
             checkpoint=checkpoints.latest, history=_keras_history(trainer.model), workers=trainer.placement.workers)
@@ -114,8 +115,6 @@ def _run(config: Config, outputs, trainer, task, stop, cluster, scratch_dir, sta
     with contextlib.closing(observers), _lost_peers_explained(cluster, checkpoints), input_errors():
         loop = Loop(trainer, config.loop, checkpoints, observers, config.step.nan_policy)
         history = loop.run(start, stop)
-    if trainer.given_model is not None:  # trained as a copy rebuilt under the strategy: as model.fit, train the model
-        trainer.given_model.set_weights(trainer.model.get_weights())
     final = result(history, dict(history[-1].logs) if history else _final_evaluation(trainer))
     log.info("Final: %s; total time: %.1f s", format_logs(final.logs) or "no evaluation data", final.total_seconds)
     if outputs.metrics_json:

@@ -12,15 +12,14 @@ import logging
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from gpupar.errors import GpuparError, TensorFlowStarted
 from gpupar.models.layers import fall_back_from_xla, global_seed_generator, xla_batch_norm_error
 from gpupar.runtime.devices import configure_devices
 from gpupar.runtime.precision import PrecisionPlan, machine_precision
-from gpupar.training.inner_loop import unpack
-from gpupar.training.model_setup import Compiled, compiled_for_keras, model_and_optimizer
-from gpupar.training.objective import Objective
+from gpupar import keras_compat
+from gpupar.training.loss import checked_reductions, resolved
+from gpupar.training.model_setup import Compiled, model_and_optimizer
 from gpupar.training.steps.own import own_step_note
 from gpupar.training.steps.parts import finite_check
 from gpupar.training.trainer import Trainer
@@ -79,23 +78,25 @@ def build_trainer(config, task, mode, cluster=None) -> Trainer:
                              config.input.validation_steps, step_options.jit_compile)
         log.info(own_step_note(model))
     else:
-        objective = _checked_objective(compiled, model, train)
-        step = mode.step(model, objective, optimizer, update_optimizer, variables, step_options, placement)
-    compiled_for_keras(model, compiled, update_optimizer, placement)
+        checked_reductions(model)
+        _check_labels(model, train)
+        step = mode.step(model, optimizer, update_optimizer, variables, step_options, placement)
     _log_batch(per_step, placement, step_options, train)
     _log_step_options(step_options)
+    steps_per_call = _steps_per_call(loop, mode, steps_per_epoch)
     return Trainer(
         placement=placement, model=model, optimizer=optimizer,
         loss_scale=update_optimizer if _scales_the_loss(update_optimizer, step_options) else None, step=step,
         calls=mode.calls(step, placement, None if per_step % placement.replicas else per_step // placement.replicas),
         make_input=mode.make_input(train, placement, global_batch),
-        evaluate=mode.evaluation(step, evaluation, placement, eval_batch, config.input.validation_steps),
+        evaluate=mode.evaluation(step, evaluation, placement, eval_batch, config.input.validation_steps,
+                                 steps_per_call),
         weights_finite=finite_check(model), global_batch=global_batch, steps_per_epoch=steps_per_epoch,
-        steps_per_call=_steps_per_call(loop, mode, steps_per_epoch),
+        steps_per_call=steps_per_call,
         signature=task.signature or _signature(model),
         learning_rate=None if compiled.optimizer is not None else step_options.learning_rate,
-        visible_gpus=devices.visible_gpus, given_model=task.model if task.model is not model else None,
-        random_state=(keras_seeds.state,))
+        visible_gpus=devices.visible_gpus,
+        random_state=(keras_seeds.state,), variables=variables)
 
 
 def _scales_the_loss(optimizer, step_options) -> bool:
@@ -236,29 +237,35 @@ def _signature(model) -> dict:
     return {"model": type(model).__name__, "variables": len(model.weights), "parameters": parameters}
 
 
-def _checked_objective(compiled: Compiled, model, train):
-    """The Objective for the model's outputs, after the checks that need the model and one batch.
+def _check_labels(model, train):
+    """Refuses integer labels outside a sparse cross-entropy's classes, where the labels are in memory.
+
+    For each output whose loss is Keras' sparse categorical cross-entropy (without an ignored
+    class): TensorFlow raises on a CPU for such a label, but a GPU's kernel returns NaN, or a wrong
+    loss, without a word.
 
     Raises:
-      GpuparError: labels outside the model's output range, a loss of one scalar per batch, a
-        metric whose state does not add up, names that do not fit the outputs.
+      GpuparError: labels below 0 or not below the output's number of classes.
     """
-    x, y, sample_weight = unpack(train.sample())
-    y_pred = tf.nest.map_structure(lambda t: np.asarray(t, np.float32), model(x, training=False))
-    objective = Objective(compiled.loss, compiled.metrics, y, y_pred, getattr(model, "output_names", None),
-                          compiled.loss_weights, compiled.weighted_metrics, model_losses=bool(model.losses))
-    all_labels = train.labels()
-    all_labels = objective.labels(y if all_labels is None else all_labels)  # every label where they are in memory
-    for term in objective.losses:
-        if term.sparse:
-            labels = np.asarray(all_labels if term.key is None else all_labels[term.key])
-            classes = (y_pred if term.key is None else y_pred[term.key]).shape[-1]
-            if labels.size and (labels.min() < 0 or labels.max() >= classes):
-                raise GpuparError(f"the labels reach {labels.min()}..{labels.max()}, but the model has {classes} "
-                                  f"outputs (classes 0..{classes - 1}); fix the labels or the model's last layer")
-    for name in objective.batch_level(y, y_pred):
-        log.info("loss %r gives one value per batch, not one per example: on several replicas the step's loss is the "
-                 "mean of each replica's value (as model.fit's under a strategy), not the global batch's", name)
-    objective.check_additive(y, y_pred, sample_weight)
-    objective.reset()
-    return objective
+    labels, outputs = train.labels(), getattr(model, "outputs", None)
+    if labels is None or not outputs:
+        return
+    for path, loss in keras_compat.compiled_losses(model):
+        if not _sparse(loss):
+            continue
+        try:
+            own = np.asarray(resolved(labels, path) if len(outputs) > 1 else labels)
+            classes = (resolved(model.output, path) if len(outputs) > 1 else outputs[0]).shape[-1]
+        except (IndexError, KeyError, TypeError):  # labels laid out otherwise: Keras' CompileLoss matches them
+            continue
+        if classes is not None and own.size and np.issubdtype(own.dtype, np.number) and (
+                own.min() < 0 or own.max() >= classes):
+            raise GpuparError(f"the labels reach {own.min()}..{own.max()}, but the model has {classes} outputs "
+                              f"(classes 0..{classes - 1}); fix the labels or the model's last layer")
+
+
+def _sparse(loss) -> bool:
+    """Whether a resolved Keras loss is sparse categorical cross-entropy (without an ignored class)."""
+    if isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
+        return loss.get_config().get("ignore_class") is None
+    return getattr(loss, "fn", None) is keras.losses.sparse_categorical_crossentropy

@@ -70,6 +70,10 @@ def user_task(model, train, evaluation, loss, metrics, optimizer, callbacks, raw
     for callback in callbacks:
         if not isinstance(callback, keras.callbacks.Callback):
             raise GpuparError(f"callbacks holds a {type(callback).__name__}; give keras.callbacks.Callback objects")
+    _check_names(loss, keras.losses.get, "loss", "a Keras loss name such as 'sparse_categorical_crossentropy', "
+                 "'categorical_crossentropy' or 'mse', or pass a keras.losses.Loss or a function(y_true, y_pred)")
+    _check_names(metrics, keras.metrics.get, "metrics", "a Keras metric name such as 'accuracy', 'mae' or 'auc', or "
+                 "pass a keras.metrics.Metric")
 
     def build_model():
         made = built if built is not None else model()
@@ -79,6 +83,20 @@ def user_task(model, train, evaluation, loss, metrics, optimizer, callbacks, raw
 
     return Task(build_model, train, evaluation, loss, metrics, optimizer, tuple(callbacks),
                 early_start=_early_start(built, optimizer, metrics, raw), model=built, seeded=seeded)
+
+
+# Names that Keras' compile resolves by the shapes of the labels and outputs (compile_utils.get_loss, get_metric).
+_BY_SHAPES = ("crossentropy", "ce", "accuracy", "acc")
+
+
+def _check_names(given, resolve, what: str, use: str):
+    """Refuses a name in fit's loss or metrics that Keras does not know, before TensorFlow starts."""
+    for name in _flat(given):
+        if isinstance(name, str) and name.lower() not in _BY_SHAPES:
+            try:
+                resolve(name)
+            except ValueError:
+                raise GpuparError(f"{what}: {name!r} is not a Keras name; use {use}") from None
 
 
 def _early_start(model, optimizer, metrics, data) -> str:

@@ -9,6 +9,8 @@ diagnose` ask a Trainer only what this file names, and never which mode made it.
 import dataclasses
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+import keras
+
 from gpupar.training.inner_loop import Results
 from gpupar.training.steps.step import Step
 
@@ -61,8 +63,9 @@ class Trainer:
         steps that finished (a parameter-server scheduler reports calls later than asked);
         finish() -> Results of the steps still in flight, once applied.
       make_input: make_input(first_step, limit=None) -> the training input from that global step.
-      evaluate: evaluate() -> {"val_loss": ..., "val_<metric>": ...} of the current weights over
-        the whole evaluation set ({} without one).
+      evaluate: evaluate(callbacks=None) -> {"val_loss": ..., "val_<metric>": ...} of the current
+        weights over the whole evaluation set ({} without one); `callbacks` (an Observer) hears
+        Keras' test hooks.
       weights_finite: weights_finite() -> whether every float weight is finite.
       global_batch: Examples in one update, over the replicas that make it.
       steps_per_epoch: Updates in one epoch, capped by steps_per_epoch.
@@ -70,9 +73,8 @@ class Trainer:
       signature: The model and its shape-defining options, as checkpoints record them.
       learning_rate: The learning rate to put back after restoring a checkpoint, or None.
       visible_gpus: The physical GPUs in use (for the utilisation sampler).
-      given_model: The model gpupar.fit was given where `model` is a copy rebuilt under the
-        strategy (its trained weights go back into it), else None.
       random_state: Random state outside the model that checkpoints hold (Keras' global SeedGenerator's).
+      variables: The variables the optimizer updates (the model's trainable ones, or their shards).
     """
 
     placement: Placement
@@ -82,7 +84,7 @@ class Trainer:
     step: Step
     calls: Any
     make_input: Callable[..., Iterator]
-    evaluate: Callable[[], dict]
+    evaluate: Callable[..., dict]
     weights_finite: Callable[[], bool]
     global_batch: int
     steps_per_epoch: int
@@ -90,8 +92,8 @@ class Trainer:
     signature: dict
     learning_rate: Optional[float] = None
     visible_gpus: Sequence[int] = ()
-    given_model: Any = None
     random_state: Sequence = ()
+    variables: Sequence = ()
 
     @property
     def strategy(self):
@@ -134,6 +136,12 @@ class Trainer:
     def begin_epoch(self):
         """Called when an epoch starts at its first step."""
         self.step.begin_epoch()
+
+    def finalize(self):
+        """What Keras' fit does once training ends: the optimizer's end-of-training swaps (use_ema's averages)."""
+        optimizer = self.model.optimizer
+        if isinstance(optimizer, keras.optimizers.Optimizer):
+            optimizer.finalize_variable_values(list(self.variables) or self.model.trainable_weights)
 
     def run_calls(self, iterator, steps: int, first_call: bool = False) -> Results:
         """Runs `steps` steps from `iterator` in calls of steps_per_call, as training does; their summed results.

@@ -77,15 +77,18 @@ class DatasetAdapter(DataAdapter):
 
 
 def batched(dataset) -> bool:
-    """Whether a tf.data.Dataset is batched: a batch transformation in its chain after the last unbatch."""
-    while dataset is not None:
-        name = type(dataset).__name__
-        if "Unbatch" in name:
-            return False
-        if "Batch" in name:
-            return True
-        dataset = getattr(dataset, "_input_dataset", None)
-    return False
+    """Whether a tf.data.Dataset gives batches, read from its element spec: as Keras takes it, unless it cannot be.
+
+    Keras' fit takes every dataset as batched, its batch size the leading dimension of its first
+    element's spec (keras/src/trainers/data_adapters/tf_dataset_adapter.py). gpupar does too
+    (zips and nested structures of batched datasets included), except where the spec says the
+    elements are single examples: a scalar among them, or leading dimensions that differ (a batch
+    gives every tensor the same one); such a dataset gpupar batches by the global batch.
+    """
+    shapes = [spec.shape for spec in tf.nest.flatten(dataset.element_spec) if hasattr(spec, "shape")]
+    if any(shape.rank == 0 for shape in shapes):
+        return False
+    return len({shape[0] for shape in shapes if shape.rank is not None}) <= 1
 
 
 def counted(dataset, role: str):

@@ -7,9 +7,8 @@ outside modes/ asks the chosen mode's declared capabilities; none compares mode 
 
 from typing import Dict, List, Sequence, Tuple
 
-from gpupar.training.inner_loop import unpack
 from gpupar.training.steps.compiled import CompiledStep
-from gpupar.training.steps.step import LocalCalls, evaluation, no_evaluation
+from gpupar.training.steps.step import Evaluation, LocalCalls, no_evaluation
 from gpupar.training.trainer import Placement
 
 
@@ -75,22 +74,17 @@ class Mode:
         """Why XLA cannot compile a replica's step on this placement (said in the log), or None where it can."""
         return None
 
-    def build_model(self, build, placement: Placement, sample):
-        """The task's model, built under the placement's scope; `sample` is one batch, for a subclassed model."""
-        model = build()
-        # A subclassed model makes its variables on its first call; one whose layers are all built
-        # already (a GAN of two built models, which may have no call() of its own) is left as it is.
-        if not model.built and not all(layer.built for layer in model._flatten_layers(include_self=False)):
-            model(unpack(sample)[0], training=False)
-        return model
+    def build_model(self, build, placement: Placement):
+        """The task's model, made under the placement's scope (its variables are made by the set-up's build, as Keras')."""
+        return build()
 
     def updated_variables(self, model) -> Tuple[Sequence, List[str]]:
         """(the variables the optimizer updates, one log line per variable split over several devices)."""
         return model.trainable_variables, []
 
-    def step(self, model, objective, optimizer, update_optimizer, variables, step_options, placement):
-        """The Step that trains a compiled model's objective in this mode."""
-        return CompiledStep(model, objective, optimizer, update_optimizer, variables)
+    def step(self, model, optimizer, update_optimizer, variables, step_options, placement):
+        """The Step that trains a compiled model in this mode."""
+        return CompiledStep(model, optimizer, update_optimizer, variables)
 
     def calls(self, step, placement, replica_rows):
         """What runs calls of the step's train steps (LocalCalls, or a scheduler of the workers).
@@ -103,9 +97,9 @@ class Mode:
         """make_input(first_step, limit=None) -> the training input of this mode from a global step."""
         raise NotImplementedError
 
-    def evaluation(self, step, data, placement: Placement, eval_batch: int, validation_steps):
-        """evaluation() -> the logs of the evaluation data (an adapter, or None) under this mode."""
+    def evaluation(self, step, data, placement: Placement, eval_batch: int, validation_steps, steps_per_call: int):
+        """evaluation(callbacks) -> the logs of the evaluation data (an adapter, or None) under this mode."""
         if data is None:
             return no_evaluation
         dataset, steps = data.evaluation(eval_batch, validation_steps)
-        return evaluation(step, None, iter(dataset), steps)
+        return Evaluation(step, None, iter(dataset), steps, steps_per_call)

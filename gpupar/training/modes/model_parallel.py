@@ -60,13 +60,13 @@ class ModelParallel(Mode):
         # Each stage places its variables itself (tf.device): the default strategy's scope.
         return Placement(description, tf.distribute.get_strategy(), plan.num_replicas, devices, plan=plan)
 
-    def build_model(self, build, placement, sample):
+    def build_model(self, build, placement):
         return build_on_stages(build, self.distribution.stages, placement.plan.variable_devices)
 
-    def step(self, model, objective, optimizer, update_optimizer, variables, step_options, placement):
+    def step(self, model, optimizer, update_optimizer, variables, step_options, placement):
         layers = chain_layers(model)
         stage_of = stage_of_layers([layer.name for layer in layers], self.distribution.stages)
-        step = PipelineStep(model, stage_of, placement.plan, objective, optimizer, self.distribution.microbatches)
+        step = PipelineStep(model, stage_of, placement.plan, optimizer, self.distribution.microbatches)
         for line in step.describe():
             log.info(line)
         return step

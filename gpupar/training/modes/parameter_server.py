@@ -146,7 +146,8 @@ def worker_function(step, strategy):
     variables the step updates (update_variables) and applied at once, without waiting for the
     other workers.
     """
-    steps = steps_in_one_call(lambda batch: strategy.run(step.train, args=(batch,)), step.train_zeros())
+    steps = steps_in_one_call(lambda batch, states: strategy.run(step.train, args=(batch, states)), step.train_zeros(),
+                              state_variables=step.state_variables)
 
     @tf.function(autograph=False)
     def train(iterator, num_steps):
@@ -179,7 +180,8 @@ class Scheduler:
         done = Results()
         while len(self.pending) >= self.max_in_flight:  # bounded: wait for the oldest before scheduling more
             done += self._collect()
-        self.pending.append((num_steps, self.coordinator.schedule(self.train, args=(iterator, num_steps))))
+        with self.step.in_call():  # where the workers' function is traced, on its first schedule
+            self.pending.append((num_steps, self.coordinator.schedule(self.train, args=(iterator, num_steps))))
         return done
 
     def finish(self) -> Results:
@@ -274,7 +276,7 @@ class ParameterServer(Mode):
 
         return make
 
-    def evaluation(self, step, data, placement, eval_batch, validation_steps):
+    def evaluation(self, step, data, placement, eval_batch, validation_steps, steps_per_call):
         if data is not None:
             log.info("evaluation: on the chief, reading the variables from the ps tasks")
-        return super().evaluation(step, data, placement, eval_batch, validation_steps)
+        return super().evaluation(step, data, placement, eval_batch, validation_steps, steps_per_call)

@@ -9,8 +9,8 @@ from gpupar.runtime.strategy import STRATEGIES, detected_plan, jit_compile_refus
 from gpupar.training.inner_loop import timed_loop_iterations
 from gpupar.training.modes.mode import Mode
 from gpupar.training.steps.compiled import CompiledStep
-from gpupar.training.steps.own import build_compiled_metrics, own_step
-from gpupar.training.steps.step import LocalCalls, evaluation, no_evaluation
+from gpupar.training.steps.own import own_step
+from gpupar.training.steps.step import Evaluation, LocalCalls, no_evaluation
 from gpupar.training.trainer import Placement
 
 
@@ -46,14 +46,13 @@ class Synchronous(Mode):
     def jit_refusal(self, placement):
         return jit_compile_refusal(placement.plan)
 
-    def step(self, model, objective, optimizer, update_optimizer, variables, step_options, placement):
-        return CompiledStep(model, objective, optimizer, update_optimizer, variables, step_options.accumulate_steps,
+    def step(self, model, optimizer, update_optimizer, variables, step_options, placement):
+        return CompiledStep(model, optimizer, update_optimizer, variables, step_options.accumulate_steps,
                             step_options.nan_policy == "skip", step_options.jit_compile)
 
     def own_step(self, model, train, data, placement, global_batch, eval_batch, validation_steps, jit_compile):
         """The OwnStep of a model with its own train_step, traced on the input's shapes before any restore."""
         strategy, per_pipeline = placement.strategy, _per_pipeline(placement)
-        build_compiled_metrics(strategy, model, train.sample())
         spec = train.distribute(strategy, global_batch, 0, None, per_pipeline).element_spec
         eval_spec = None
         if data is not None:
@@ -68,12 +67,12 @@ class Synchronous(Mode):
             return iter(train.distribute(placement.strategy, global_batch, first_step, limit, _per_pipeline(placement)))
         return make
 
-    def evaluation(self, step, data, placement, eval_batch, validation_steps):
+    def evaluation(self, step, data, placement, eval_batch, validation_steps, steps_per_call):
         if data is None:
             return no_evaluation
         dataset, steps = data.distribute_evaluation(placement.strategy, eval_batch, _per_pipeline(placement),
                                                     validation_steps)
-        return evaluation(step, placement.strategy, iter(dataset), steps)
+        return Evaluation(step, placement.strategy, iter(dataset), steps, steps_per_call)
 
 
 def _per_pipeline(placement) -> int:

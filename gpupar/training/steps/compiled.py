@@ -1,94 +1,31 @@
-"""The step of a compiled model: its loss over the GLOBAL batch, the gradients, one update, its metrics.
+"""The step of a compiled model: Keras' train_step, its loss over the GLOBAL batch.
 
-What Keras' own `Model.train_step` does, written for replicas: each replica's loss is its share
-of the global batch's (gpupar.training.objective), so the optimizer's sum of the replicas'
-gradients (Keras 3's apply all-reduces them) is the gradient of the whole batch. It trains
+What Keras' own `train_step` does (forward, the compiled loss, gradients, one update, the
+compiled metrics by Keras' `compute_metrics`), with one change: each replica's loss is its share
+of the global batch's (gpupar.training.loss), so the optimizer's sum of the replicas' gradients
+(Keras 3's apply all-reduces them) is the gradient of the whole batch, masks included. It trains
 every data-parallel mode: replicas in sync, and each parameter-server worker on its own batch.
+The metrics are Keras' own variables, summed over the replicas as Keras declares them; the
+host reads them as Keras' fit does (Step.logs).
 """
 
-import keras
-import numpy as np
+import contextlib
+
 import tensorflow as tf
 
 from gpupar.training.inner_loop import Results, unpack
-from gpupar.training.objective import len_rows, summed_over_replicas
-from gpupar.training.steps.parts import (accumulated, agreed_overflow, forward, kept_if_skipped, loss_and_gradients,
-                                         loss_scale_of)
+from gpupar.training.loss import global_batch_losses, len_rows, replica_loss, summed_over_replicas, track_loss
+from gpupar.training.steps.parts import (accumulated, agreed_overflow, compiled_metrics_variables, forward,
+                                         kept_if_skipped, loss_and_gradients, loss_scale_of, updated_metrics)
 from gpupar.training.steps.step import Step
 
 
-class ObjectiveStep(Step):
-    """A step that trains the run's Objective (gpupar.training.objective): what its calls return and what they mean.
-
-    train() returns (loss x examples, kept examples, examples, metric states) summed; evaluate()
-    returns (loss numerators, denominators, metric states, added losses x examples, examples).
-    Metrics that the model's layers own and update in their call are logged too, as model.fit
-    logs them: reset when an epoch (or an evaluation) begins, summed over the replicas when read,
-    and checkpointed, so that an epoch resumed mid-way reports the whole epoch.
-    """
-
-    def __init__(self, model, objective, optimizer):
-        self.model, self.objective, self.optimizer = model, objective, optimizer
-        self.layer_metrics = _layer_metrics(model)
-
-    def state(self) -> dict:
-        return {"step_state": [v for metric in self.layer_metrics for v in metric.variables]} if (
-            self.layer_metrics) else {}
-
-    def begin_epoch(self):
-        for metric in self.layer_metrics:
-            metric.reset_state()
-
-    begin_evaluation = begin_epoch
-
-    def _layer_results(self, prefix: str = "") -> dict:
-        return {f"{prefix}{metric.name}": float(metric.result()) for metric in self.layer_metrics}
-
-    def train_zeros(self):
-        return 0.0, 0.0, 0.0, self.objective.zero_states()
-
-    def eval_zeros(self):
-        terms = np.zeros(len(self.objective.losses), np.float32)
-        return terms, terms, self.objective.zero_states(), 0.0, 0.0
-
-    def results(self, num_steps, totals, waited, busy) -> Results:
-        loss, kept, examples, states = totals
-        return Results(num_steps, float(loss), float(kept), float(examples), [np.asarray(s) for s in states], waited,
-                       busy)
-
-    def logs(self, totals) -> dict:
-        """The loss is each output's weighted sum over the whole set divided by its whole denominator, plus the
-        losses the model adds (averaged over the examples), as Keras' evaluate reports it."""
-        numerators, denominators, states, added, rows = (np.asarray(t) if not isinstance(t, list) else t
-                                                         for t in totals)
-        loss = float(np.sum(np.divide(numerators, np.maximum(denominators, 1e-30))))
-        loss += float(added) / max(float(rows), 1.0)
-        logs = {"val_loss": loss}
-        logs.update({f"val_{name}": value for name, value in self.objective.results([np.asarray(s) for s in states]).items()})
-        logs.update(self._layer_results("val_"))
-        return logs
-
-    def metric_results(self, states) -> dict:
-        return {**(self.objective.results(states) if states else {}), **self._layer_results()}
-
-    def evaluated(self, y, y_pred, sample_weight, added, rows):
-        """What evaluate() returns for one share of a batch, from its outputs and the losses the model added."""
-        numerators, denominators = self.objective.terms(y, y_pred, sample_weight)
-        rows = tf.cast(rows, tf.float32)
-        added = tf.add_n(added) * rows if added else tf.constant(0.0)
-        return numerators, denominators, self.objective.metric_states(y, y_pred, sample_weight), added, rows
-
-
-def _layer_metrics(model) -> list:
-    """The metrics that the model's layers own, those of a nested model's compile left out (as Keras' Model.metrics)."""
-    found = []
-    for layer in model.layers:
-        found += _layer_metrics(layer) if isinstance(layer, keras.Model) else layer.metrics
-    return found
-
-
-class CompiledStep(ObjectiveStep):
+class CompiledStep(Step):
     """The compiled model's step: forward, loss, gradients (over micro-batches), update, metrics.
+
+    train() returns (the step's loss times its global batch's rows, this replica's rows), summed
+    over steps and replicas: what the loop checks for a non-finite loss and counts as examples.
+    evaluate() returns this replica's rows. Both carry the compiled metrics' values as `states`.
 
     Attributes:
       variables: What the optimizer updates: the model's trainable variables, or their shards.
@@ -97,41 +34,72 @@ class CompiledStep(ObjectiveStep):
       update_optimizer: What applies the updates: the optimizer, or a loss-scale optimizer around it.
     """
 
-    def __init__(self, model, objective, optimizer, update_optimizer=None, variables=None, accumulate_steps: int = 1,
+    def __init__(self, model, optimizer, update_optimizer=None, variables=None, accumulate_steps: int = 1,
                  skip_nonfinite: bool = False, jit_compile: bool = False):
-        super().__init__(model, objective, optimizer)
+        self.model, self.optimizer = model, optimizer
         self.update_optimizer = update_optimizer or optimizer
         self.variables = model.trainable_variables if variables is None else variables
         self.accumulate_steps, self.skip_nonfinite, self.jit_compile = accumulate_steps, skip_nonfinite, jit_compile
         self.loss_scale = loss_scale_of(self.update_optimizer)
+        self.metrics = compiled_metrics_variables(model)
 
-    def train(self, batch):
+    @property
+    def state_variables(self) -> list:
+        return self.metrics
+
+    @contextlib.contextmanager
+    def in_call(self):
+        """Keras' per-replica semantics, and the compiled losses reduced over the global batch."""
+        with super().in_call(), global_batch_losses(self.model):
+            yield
+
+    def train_zeros(self):
+        return 0.0, 0.0
+
+    def train(self, batch, states):
         """One replica's step. The all-reduce of the gradients happens in the optimizer's apply (Keras 3 sums the
         replicas' gradients there); reducing them here as well would make every update num_replicas times too large."""
         x, y, sample_weight = unpack(batch)
-        statistics = [v for v in self.model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
-        before = [tf.identity(v) for v in statistics] if self.skip_nonfinite else []
-        loss, states, grads = accumulated(self._gradients, self.accumulate_steps, x, y, sample_weight)
+        statistics = [v for v in self.model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating
+                      and not any(v is m for m in self.metrics)] if self.skip_nonfinite else []
+        before, states_before = [tf.identity(v) for v in statistics], list(states)
+        loss, grads, states = accumulated(self._gradients, self.accumulate_steps, x, y, sample_weight, states)
         rows = tf.cast(len_rows(x), tf.float32)  # this replica's share of the batch
-        # The epoch's loss weighs each step's by its examples, as Keras' does (a last partial batch):
-        # the replicas' shares times the whole batch's examples add up to its mean times them.
-        weighted, kept = loss * summed_over_replicas(rows), rows
+        _, states = updated_metrics(self.metrics, states, lambda: track_loss(self.model, loss, rows))
+        # The epoch's loss weighs each step's by its examples, as Keras' does (a last partial batch).
+        weighted = loss * summed_over_replicas(rows)
         if self.loss_scale is not None:
             grads, bad = agreed_overflow(grads, loss)
             if self.skip_nonfinite:
-                weighted, states = kept_if_skipped(bad, statistics, before, weighted, states)
-                kept = tf.where(bad, 0.0, kept)
+                states = kept_if_skipped(bad, statistics, before, states, states_before)
+                weighted = tf.where(bad, 0.0, weighted)
         self.update_optimizer.apply(grads, self.variables)
-        return weighted, kept, rows, states
+        return (weighted, rows), states
 
-    def _gradients(self, x, y, sample_weight, whole=None, total=None):
-        return loss_and_gradients(self.model, self.objective, self.variables, x, y, sample_weight, self.loss_scale,
-                                  1.0 / self.accumulate_steps, whole, total)
+    def _gradients(self, x, y, sample_weight, states, added_share):
+        return loss_and_gradients(self.model, self.variables, x, y, sample_weight, self.metrics, states,
+                                  self.loss_scale, added_share)
 
-    def evaluate(self, batch):
+    def eval_zeros(self):
+        return 0.0
+
+    def evaluate(self, batch, states):
+        """One replica's evaluation of its share: Keras' test_step, its loss over the global batch."""
         x, y, sample_weight = unpack(batch)
         y_pred, added = forward(self.model, x, training=False)
-        return self.evaluated(y, y_pred, sample_weight, added, len_rows(x))
+        rows = tf.cast(len_rows(x), tf.float32)
+
+        def test_step():
+            _, share = replica_loss(self.model, y, y_pred, sample_weight, added)
+            track_loss(self.model, share, rows)
+            self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+        _, states = updated_metrics(self.metrics, states, test_step)
+        return rows, states
+
+    def results(self, num_steps, totals, waited, busy) -> Results:
+        loss, examples = totals
+        return Results(num_steps, float(loss), float(examples), waited, busy)
 
     def after_call(self):
         if self.skip_nonfinite:

@@ -21,10 +21,10 @@ import numpy as np
 import tensorflow as tf
 
 from gpupar.errors import GpuparError
-from gpupar.models.layers import replica_seeds
+from gpupar import keras_compat
 from gpupar.training.checkpoint import inexact_resume_note, unsaved_draws
 from gpupar.training.inner_loop import SUM, Results
-from gpupar.training.objective import summed_over_replicas
+from gpupar.training.loss import summed_over_replicas
 from gpupar.training.steps.step import Step
 
 log = logging.getLogger("gpupar")
@@ -59,21 +59,6 @@ def own_step_note(model) -> str:
             "own (Keras' loss objects are right across replicas; gpupar.global_mean reduces per-example values over "
             "the global batch; a value it logs from a loss object reads 1/replicas of it, as under model.fit), while "
             "random draws differ per replica and batch-norm statistics are averaged")
-
-
-def build_compiled_metrics(strategy, model, sample):
-    """Builds the compiled metrics of a model that Keras' own train_step trains, from one sample batch, in the scope.
-
-    Keras makes a compiled metric's variables on its first update (model.fit builds them
-    symbolically first); inside the replicated step they could not be made. Built here on one
-    eager batch, then reset.
-    """
-    if type(model).train_step is not _KERAS_MODEL.train_step:
-        return  # the model's own step keeps its metrics as it made them
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(sample)
-    with strategy.scope():
-        model.compute_metrics(x, y, model(x, training=False), sample_weight=sample_weight)
-    model.reset_metrics()
 
 
 def global_mean(values, sample_weight=None):
@@ -139,7 +124,7 @@ def _step_logs(model, step_name, batch):
     Not converted by AutoGraph (no tf.function of gpupar's is), as model.fit does not convert a
     train_step: Python control flow in it runs once, when it is traced.
     """
-    with replica_seeds():
+    with keras_compat.in_replica(undivided_losses=False):
         logs = getattr(model, step_name)(batch)
     return _checked_logs(model, logs, step_name)
 
@@ -163,14 +148,14 @@ class OwnStep(Step):
     def train_zeros(self):
         return 0.0, {name: 0.0 for name in self.names}
 
-    def train(self, batch):
-        return _rows(batch), _step_logs(self.model, "train_step", batch)
+    def train(self, batch, states):
+        return (_rows(batch), _step_logs(self.model, "train_step", batch)), states
 
     def eval_zeros(self):
         return 0.0, {name: 0.0 for name in self.eval_names}
 
-    def evaluate(self, batch):
-        return _rows(batch), _step_logs(self.model, "test_step", batch)
+    def evaluate(self, batch, states):
+        return (_rows(batch), _step_logs(self.model, "test_step", batch)), states
 
     def combine(self, totals, values):
         return totals[0] + values[0], values[1]  # the rows add up; the logs are the last step's
@@ -180,21 +165,11 @@ class OwnStep(Step):
 
     def results(self, num_steps, totals, waited, busy) -> Results:
         rows, logs = totals
-        rows = float(rows)
-        return Results(num_steps, 0.0, rows, rows, [], waited, busy,
-                       step_logs={name: float(value) for name, value in logs.items()})
+        return Results(num_steps, 0.0, float(rows), waited, busy, step_logs={name: float(value) for name, value in
+                                                                             logs.items()})
 
-    def logs(self, totals) -> dict:
-        return {f"val_{name}": float(value) for name, value in totals[1].items()}
-
-    def state(self) -> dict:
-        return {"step_state": list(self.model.metrics_variables)}
-
-    def begin_epoch(self):
-        self.model.reset_metrics()
-
-    def begin_evaluation(self):
-        self.model.reset_metrics()
+    def step_logs(self, totals) -> dict:
+        return {name: float(value) for name, value in totals[1].items()}
 
     def before_call(self):
         self.first_step_check.before()

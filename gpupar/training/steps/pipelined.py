@@ -9,15 +9,17 @@ TensorFlow's executor starts each op as soon as its inputs are ready: stage k's 
 micro-batch i+1 does not depend on stage k+1's work on micro-batch i, and the two can overlap.
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from gpupar.models.staged import chain_layers
 from gpupar.runtime.stages import StagePlan
 from gpupar.runtime.strategy import short_name
-from gpupar.training.inner_loop import unpack
-from gpupar.training.objective import len_rows
-from gpupar.training.steps.compiled import ObjectiveStep
-from gpupar.training.steps.parts import as_float32
+from gpupar.training.inner_loop import Results, unpack
+from gpupar.training.loss import global_batch_losses, len_rows, micro_batch, replica_loss, track_loss
+from gpupar.training.steps.parts import compiled_metrics_variables, updated_metrics
+from gpupar.training.steps.step import Step
 
 ZERO = tf.UnconnectedGradients.ZERO
 
@@ -33,19 +35,20 @@ def pieces(x, n):
     return [x[bounds[i]:bounds[i + 1]] for i in range(n)]
 
 
-class PipelineStep(ObjectiveStep):
+class PipelineStep(Step):
     """A chain model's stages on a StagePlan's devices, each global batch pipelined as micro-batches.
 
     Micro-batch i of replica r is piece r * microbatches + i of the batch; its stage k runs on
     plan.replicas[r][k], forward ops in name scope forward_r{r}_s{k}_m{i} (TensorFlow names their
     gradient ops gradient_tape/.../forward_r{r}_s{k}_m{i}/...), gradient sums in accumulate_*.
-    The loss and metrics are the run's Objective: the last stage records each micro-batch's
-    weighted loss sums, and their gradients are taken with the whole batch's denominators, so
-    the update is the one of the whole batch on one device.
+    The loss and metrics are Keras' compiled ones: the last stage computes each micro-batch's
+    share of the whole batch's loss (gpupar.training.loss.micro_batch), so the update is the one
+    of the whole batch on one device, and updates the metrics with each micro-batch's outputs.
     """
 
-    def __init__(self, model, stage_of, plan: StagePlan, objective, optimizer, microbatches: int = 1):
-        super().__init__(model, objective, optimizer)
+    def __init__(self, model, stage_of, plan: StagePlan, optimizer, microbatches: int = 1):
+        self.model, self.optimizer = model, optimizer
+        self.metrics = compiled_metrics_variables(model)
         layers = chain_layers(model)
         self.plan, self.microbatches = plan, microbatches
         self.stages = [[layer for layer, s in zip(layers, stage_of) if s == k] for k in range(plan.num_stages)]
@@ -88,36 +91,49 @@ class PipelineStep(ObjectiveStep):
                 x = out
         return x
 
-    def gradients(self, batch):
-        """(loss, metric states, gradients in model.trainable_variables order) for one global batch.
+    def _share(self, parts, j, y_pred, batch_rows, whole_weight, states):
+        """Micro-batch j's share of the whole batch's loss (what is differentiated, its value), the new metric states.
 
-        The loss is the objective's over the global batch plus the regularisation losses, what one
-        device computes for the whole batch; the gradients are its gradients.
+        Its loss over the whole batch (gpupar.training.loss.micro_batch), Keras' compiled metrics
+        updated with its outputs (parts.updated_metrics).
         """
-        plan, num_m, num_s, objective = self.plan, self.microbatches, self.plan.num_stages, self.objective
+        x, y, sample_weight = parts[j]
+
+        def loss_and_metrics():
+            with micro_batch(len_rows(x), batch_rows, whole_weight):
+                loss, share = replica_loss(self.model, y, y_pred, sample_weight)
+            self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            return loss, share
+
+        return updated_metrics(self.metrics, states, loss_and_metrics)
+
+    def gradients(self, batch, states):
+        """(loss, gradients in model.trainable_variables order, the new metric states) for one global batch.
+
+        The loss is the compiled loss over the global batch plus the regularisation losses, what
+        one device computes for the whole batch; the gradients are its gradients.
+        """
+        plan, num_m, num_s = self.plan, self.microbatches, self.plan.num_stages
         parts = self._micro_batches(batch)
-        numerators, denominators, states, taped = {}, [], [], {}
+        x, _, sample_weight = unpack(batch)
+        rows = len_rows(x)
+        losses, shares, taped = {}, [], {}
         for i in range(num_m):  # forward: the order of creation is not the order of execution
             for r, devices in enumerate(plan.replicas):
-                x, y, sample_weight = parts[r * num_m + i]
                 tapes = []
-                out = self._outputs(devices, r, i, x, True, tapes)
+                out = self._outputs(devices, r, i, parts[r * num_m + i][0], True, tapes)
                 tape = tapes[-1][0]
-                with tf.device(devices[-1]), tf.name_scope(f"forward_r{r}_s{num_s - 1}_m{i}"), tape:
-                    y_pred = as_float32(out)
-                    numerators[r, i], denominator = objective.terms(y, y_pred, sample_weight)
-                    states.append(objective.metric_states(y, y_pred, sample_weight))
-                denominators.append(denominator)
+                with tf.device(devices[-1]), tape:  # the metrics' ops are no stage's, so outside its name scope
+                    (losses[r, i], share), states = self._share(parts, r * num_m + i, out, rows, sample_weight, states)
+                shares.append(share)
                 taped[r, i] = tapes
-        with tf.device(plan.variable_devices[-1]):
-            scale = tf.math.divide_no_nan(1.0, objective.added_denominators(denominators))
         per_stage = [[[] for _ in plan.replicas] for _ in range(num_s)]
         for i in range(num_m):  # backward, stage by stage from the last, each on its stage's device
             for r, devices in enumerate(plan.replicas):
-                upstream = scale
+                upstream = None
                 for k in reversed(range(num_s)):
                     tape, x, out = taped[r, i][k]
-                    target = numerators[r, i] if k == num_s - 1 else out
+                    target = losses[r, i] if k == num_s - 1 else out
                     with tf.device(devices[k]):
                         sources = [*self.variables[k], x] if k else self.variables[k]
                         grads = tape.gradient(target, sources, output_gradients=upstream, unconnected_gradients=ZERO)
@@ -125,11 +141,9 @@ class PipelineStep(ObjectiveStep):
                     upstream = grads[-1] if k else None
         stage_grads = [self._accumulate(k, per_stage[k]) for k in range(num_s)]
         with tf.device(plan.variable_devices[-1]):
-            loss = tf.add_n([tf.reduce_sum(n * scale) for n in numerators.values()]
-                            + [reg for _, reg in stage_grads if reg is not None])
-            summed_states = [tf.add_n(list(s)) for s in zip(*states)]
+            loss = tf.add_n(shares + [reg for _, reg in stage_grads if reg is not None])
         by_id = {id(v): g for k in range(num_s) for v, g in zip(self.variables[k], stage_grads[k][0])}
-        return loss, summed_states, [by_id[id(v)] for v in self.model.trainable_variables]
+        return loss, [by_id[id(v)] for v in self.model.trainable_variables], states
 
     def _accumulate(self, k, replica_grads):
         """Stage k's gradients summed over micro-batches (on each replica's device), then replicas.
@@ -151,30 +165,51 @@ class PipelineStep(ObjectiveStep):
                 total = [g if d is None else g + d for g, d in zip(total, reg_grads)]
         return total, reg
 
-    def train(self, batch):
+    @property
+    def state_variables(self) -> list:
+        return self.metrics
+
+    @contextlib.contextmanager
+    def in_call(self):
+        """The compiled losses reduced over the whole batch."""
+        with super().in_call(), global_batch_losses(self.model):
+            yield
+
+    def train_zeros(self):
+        return 0.0, 0.0
+
+    def train(self, batch, states):
         """One pipelined step: every micro-batch forward and backward, then one update of every stage's variables.
 
         Keras applies each variable's update colocated with the variable: on its stage's device.
         """
-        loss, states, grads = self.gradients(batch)
+        loss, grads, states = self.gradients(batch, states)
         self.optimizer.apply(grads, self.model.trainable_variables)
         rows = tf.cast(len_rows(unpack(batch)[0]), tf.float32)
-        return loss * rows, rows, rows, states
+        _, states = updated_metrics(self.metrics, states, lambda: track_loss(self.model, loss, rows))
+        return (loss * rows, rows), states
 
-    def evaluate(self, batch):
-        """What ObjectiveStep.evaluate returns for one batch, with inference behaviour, pipelined."""
-        plan, num_m, objective = self.plan, self.microbatches, self.objective
+    def eval_zeros(self):
+        return 0.0
+
+    def evaluate(self, batch, states):
+        """Keras' test step for one batch, pipelined: the loss over the whole batch, the metrics updated."""
+        plan, num_m = self.plan, self.microbatches
         parts = self._micro_batches(batch)
-        numerators, denominators, states = [], [], []
+        x, _, sample_weight = unpack(batch)
+        rows = len_rows(x)
+        shares = []
         for i in range(num_m):
             for r, devices in enumerate(plan.replicas):
-                x, y, sample_weight = parts[r * num_m + i]
-                y_pred = as_float32(self._outputs(devices, r, i, x, False))
-                numerator, denominator = objective.terms(y, y_pred, sample_weight)
-                numerators.append(numerator)
-                denominators.append(denominator)
-                states.append(objective.metric_states(y, y_pred, sample_weight))
+                y_pred = self._outputs(devices, r, i, parts[r * num_m + i][0], False)
+                with tf.device(devices[-1]):
+                    (_, share), states = self._share(parts, r * num_m + i, y_pred, rows, sample_weight, states)
+                shares.append(share)
         added = [loss for stage in self.stages for layer in stage for loss in layer.losses]
-        rows = tf.cast(len_rows(unpack(batch)[0]), tf.float32)
-        return (tf.add_n(numerators), objective.added_denominators(denominators),
-                [tf.add_n(list(s)) for s in zip(*states)], tf.add_n(added) * rows if added else tf.constant(0.0), rows)
+        rows = tf.cast(rows, tf.float32)
+        _, states = updated_metrics(self.metrics, states, lambda: track_loss(self.model, tf.add_n(shares + added), rows))
+        return rows, states
+
+    def results(self, num_steps, totals, waited, busy) -> Results:
+        loss, examples = totals
+        return Results(num_steps, float(loss), float(examples), waited, busy)

@@ -3,16 +3,32 @@
 A Step is what one replica does with one batch: `train(batch)` (forward, loss, gradients,
 update, metrics) and `evaluate(batch)`, each returning values that the K-steps call
 (gpupar.training.inner_loop.steps_in_one_call) adds up over steps and replicas on the devices,
-and that the host reads once per call (`results`, `logs`). Every kind (the compiled model's
-step, the model's own train_step, the pipelined stages) runs through `train_function` and
-`evaluation` below; a mode decides only where and how often the calls run.
+and that the host reads once per call (`results`). The metrics are the model's own Keras metrics,
+read on the host as Keras' fit reads them (`logs`). Every kind (the compiled model's step, the
+model's own train_step, the pipelined stages) runs through `train_function` and `Evaluation`
+below; a mode decides only where and how often the calls run.
 """
 
+import contextlib
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 
+from gpupar import keras_compat
 from gpupar.training.inner_loop import SUM, Results, steps_in_one_call
+
+
+def keras_logs(model) -> dict:
+    """The model's metrics as Keras' fit logs them (Model.get_metrics_result()), as Python numbers.
+
+    A metric of several values (Precision at several thresholds) gives a list.
+    """
+    logs = {}
+    for name, value in model.get_metrics_result().items():
+        value = np.asarray(value)
+        logs[name] = float(value) if value.ndim == 0 else value.tolist()
+    return logs
 
 
 class Step:
@@ -22,24 +38,30 @@ class Step:
       model: The Keras model the step trains.
       optimizer: The optimizer whose update counter counts the steps (and whose state checkpoints hold).
       jit_compile: Whether each replica's train step is one XLA computation.
+      state_variables: The Keras variables the steps carry as `states` (gpupar.training.inner_loop).
     """
 
     jit_compile = False
 
+    @property
+    def state_variables(self) -> list:
+        """The Keras variables whose values the steps carry as `states` (the compiled metrics'); [] for none."""
+        return []
+
     def train_zeros(self):
-        """Zeros shaped like what train() returns."""
+        """Zeros shaped like the values train() returns."""
         raise NotImplementedError
 
-    def train(self, batch):
-        """One replica's train step on its share of the batch; returns values shaped like train_zeros()."""
+    def train(self, batch, states):
+        """One replica's train step on its share of the batch: (values shaped like train_zeros(), the new states)."""
         raise NotImplementedError
 
     def eval_zeros(self):
-        """Zeros shaped like what evaluate() returns."""
+        """Zeros shaped like the values evaluate() returns."""
         raise NotImplementedError
 
-    def evaluate(self, batch):
-        """One replica's evaluation of its share of the batch; returns values shaped like eval_zeros()."""
+    def evaluate(self, batch, states):
+        """One replica's evaluation of its share of the batch: (values shaped like eval_zeros(), the new states)."""
         raise NotImplementedError
 
     def combine(self, totals, values):
@@ -54,23 +76,40 @@ class Step:
         """The host's Results of one call of num_steps steps from the totals it returned."""
         raise NotImplementedError
 
-    def logs(self, totals) -> dict:
-        """{"val_loss": ..., "val_<metric>": ...} of an evaluation from its totals."""
-        raise NotImplementedError
+    def step_logs(self, totals) -> Optional[dict]:
+        """The logs an evaluation's last step returned, where the kind's steps return logs (else None)."""
+        return None
 
-    def metric_results(self, states) -> dict:
-        """{name: value} of the metrics whose states, summed over train steps, are `states` ({} for none)."""
-        return {}
+    def logs(self, step_logs: Optional[dict] = None) -> dict:
+        """The logs of the steps since the metrics were reset, as Keras' fit takes them.
+
+        The model's metrics (Keras' get_metrics_result, summed over replicas as each variable
+        declares), unless a step returned logs of other names (a model's own train_step): then
+        those, its last (Keras' Trainer._get_metrics_result_or_logs).
+        """
+        metrics = keras_logs(self.model)
+        if step_logs is None or set(step_logs) == set(metrics):
+            return metrics
+        return dict(step_logs)
 
     def state(self) -> dict:
-        """What checkpoints hold of this step beside the model and its optimizer, by name ({} for none)."""
-        return {}
+        """What checkpoints hold of this step beside the model and its optimizer: the model's metrics, by name."""
+        variables = list(self.model.metrics_variables)
+        return {"step_state": variables} if variables else {}
 
     def begin_epoch(self):
-        """Called when an epoch starts at its first step."""
+        """Called when an epoch starts at its first step: the metrics start again, as in Keras' fit."""
+        self.model.reset_metrics()
 
     def begin_evaluation(self):
-        """Called before each evaluation."""
+        """Called before each evaluation: the metrics start again, as in Keras' evaluate."""
+        self.model.reset_metrics()
+
+    @contextlib.contextmanager
+    def in_call(self):
+        """What holds while the step's functions are called, and so traced: Keras' per-replica semantics."""
+        with keras_compat.per_replica_semantics():
+            yield
 
     def before_call(self):
         """Called before each call of train steps."""
@@ -90,11 +129,13 @@ def train_function(step: Step, strategy, parallel_iterations: int = 1, replica_r
     replica_step = compiled_for_full_batches(step.train, replica_rows) if step.jit_compile else step.train
     zeros = step.train_zeros()
     return steps_in_one_call(replica_step, zeros, timed=True, strategy=strategy, parallel_iterations=parallel_iterations,
-                             combine=step.combine, reductions=step.reductions(zeros))
+                             combine=step.combine, reductions=step.reductions(zeros),
+                             state_variables=step.state_variables)
 
 
 def compiled_for_full_batches(train, rows: Optional[int]):
-    """train(batch) as one XLA computation, compiled for a full batch of `rows` rows; other batches run without XLA.
+    """train(batch, states) as one XLA computation, compiled for a full batch of `rows` rows; other batches run without
+    XLA.
 
     The K-steps loop hands the step batches whose first dimension is unknown (an epoch may end
     in a smaller one). Traced on such a batch, XLA compiled the step again for every batch,
@@ -114,10 +155,10 @@ def compiled_for_full_batches(train, rows: Optional[int]):
         known.set_shape([rows, *t.shape[1:]])
         return known
 
-    def replica_step(batch):
+    def replica_step(batch, states):
         first = next(t for t in tf.nest.flatten(batch) if isinstance(t, tf.Tensor))
-        return tf.cond(tf.equal(tf.shape(first)[0], rows), lambda: compiled(tf.nest.map_structure(static, batch)),
-                       lambda: train(batch))
+        return tf.cond(tf.equal(tf.shape(first)[0], rows),
+                       lambda: compiled(tf.nest.map_structure(static, batch), states), lambda: train(batch, states))
 
     return replica_step
 
@@ -135,7 +176,8 @@ class LocalCalls:
     def run(self, iterator, num_steps: int, first_call: bool = False) -> Results:
         """One call of num_steps steps; its Results on the host."""
         self.step.before_call()
-        totals, waited, busy = self.function(iterator, tf.constant(num_steps), tf.constant(first_call))
+        with self.step.in_call():
+            totals, waited, busy = self.function(iterator, tf.constant(num_steps), tf.constant(first_call))
         results = self.step.results(num_steps, totals, float(waited), float(busy))
         self.step.after_call()
         return results
@@ -145,19 +187,41 @@ class LocalCalls:
         return Results()
 
 
-def evaluation(step: Step, strategy, iterator, num_steps: int):
-    """evaluation() -> the step's logs over num_steps batches of `iterator`: the one evaluation path of every kind."""
-    zeros = step.eval_zeros()
-    evaluate = steps_in_one_call(step.evaluate, zeros, strategy=strategy, combine=step.combine,
-                                 reductions=step.reductions(zeros))
+class Evaluation:
+    """The evaluation of the current weights over a whole evaluation set: one path for every kind of step.
 
-    def run():
-        step.begin_evaluation()
-        return step.logs(evaluate(iterator, tf.constant(num_steps)))
+    It runs the step's evaluate on every replica in calls of `steps_per_call` steps, and tells
+    `callbacks` (an object with Keras' test hooks, or None) as Keras' evaluate tells its
+    callbacks: on_test_begin, on_test_batch_begin/end around each call, on_test_end.
+    """
 
-    return run
+    def __init__(self, step: Step, strategy, iterator, num_steps: int, steps_per_call: int = 1):
+        self.step, self.iterator, self.num_steps, self.steps_per_call = step, iterator, num_steps, steps_per_call
+        zeros = step.eval_zeros()
+        self.function = steps_in_one_call(step.evaluate, zeros, strategy=strategy, combine=step.combine,
+                                          reductions=step.reductions(zeros), state_variables=step.state_variables)
+
+    def __call__(self, callbacks=None) -> dict:
+        """{"val_loss": ..., "val_<metric>": ...} of the whole evaluation set."""
+        self.step.begin_evaluation()
+        if callbacks is not None:
+            callbacks.on_test_begin()
+        done, last = 0, None
+        with self.step.in_call():
+            while done < self.num_steps:
+                num = min(self.steps_per_call, self.num_steps - done)
+                if callbacks is not None:
+                    callbacks.on_test_batch_begin(done)
+                last = self.step.step_logs(self.function(self.iterator, tf.constant(num)))
+                done += num
+                if callbacks is not None:
+                    callbacks.on_test_batch_end(done - 1, self.step.logs(last))
+        logs = self.step.logs(last)
+        if callbacks is not None:
+            callbacks.on_test_end(logs)
+        return {f"val_{name}": value for name, value in logs.items()}
 
 
-def no_evaluation() -> dict:
+def no_evaluation(callbacks=None) -> dict:
     """The evaluation of a run without evaluation data."""
     return {}
