@@ -30,7 +30,7 @@ SCRIPTS = keras_io.ports("script")
 # 9 s or more here (a two-replica test also runs the one-device one when this process hasn't yet).
 SLOW_ONE_DEVICE = {"classification_with_grn_and_vsn"}
 SLOW_TWO_REPLICAS = {"knowledge_distillation_compute_loss", "text_generation_with_miniature_gpt", "transfer_learning",
-                     "endpoint_layer_pattern"}
+                     "endpoint_layer_pattern", "neural_machine_translation_with_transformer"}
 
 # Keras' own fit fails for these programs as written under MirroredStrategy (2 virtual CPUs, model made in
 # the scope). The exception type and Keras' message; why, in tests/keras_io/README.md.
