@@ -162,6 +162,33 @@ def _import_failure(relative_path, error, variant):
                                                        "keras_own_file": relative_path})
 
 
+def keep_devices(monkeypatch):
+    """Keeps the process's TensorFlow context and devices as the session made them, for the rest of the test.
+
+    swap_ema_weights_test's tf.distribute test resets TensorFlow's context and makes 2 virtual
+    CPUs of it (for a process of its own in Keras' CI), which would leave 2 of the session's 4 to
+    every later test of this pytest worker. Here the reset does nothing, and the one device
+    configuration that follows it, asking for no more CPUs than the session has, is taken as done.
+    """
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    configure = tf.config.set_logical_device_configuration
+    reset = []
+
+    def reset_context():
+        reset.append(True)
+
+    def set_logical_device_configuration(device, logical_devices):
+        if reset and device.device_type == "CPU" and len(logical_devices) <= len(tf.config.list_logical_devices("CPU")):
+            reset.clear()
+            return
+        configure(device, logical_devices)
+
+    monkeypatch.setattr(context, "_reset_context", reset_context)
+    monkeypatch.setattr(tf.config, "set_logical_device_configuration", set_logical_device_configuration)
+
+
 def keras_id(nodeid: str) -> str:
     """The test's id without its run: "trainer_test.TestTrainer::test_fit_flow_graph_fn"."""
     return nodeid.split("::", 1)[1]
@@ -215,7 +242,11 @@ class FitCall:
         self.updated = bool(changed or advanced)
         self.detail = (f"optimizer.iterations {before} -> {after}, {changed} of the {len(self.weights)} trainable "
                        "weights that existed before the call changed")
-        self.model = self.optimizer = self.weights = None  # nothing kept alive past the call
+        self.forget()
+
+    def forget(self):
+        """Lets go of the model, its optimizer and weights (a call that raised still holds them)."""
+        self.model = self.optimizer = self.weights = None
 
     @property
     def code(self) -> str:

@@ -16,6 +16,7 @@ from keras_own import harness
 # One test module per run: Keras' own fit, then gpupar.fit on 1 and on 2 replicas.
 RUNS = {"test_on_keras.py": "keras", "test_one_replica.py": 1, "test_two_replicas.py": 2}
 RUN_NAMES = {"keras": "Keras' model.fit", 1: "gpupar.fit, 1 replica", 2: "gpupar.fit, 2 replicas"}
+SEED = 1337  # keras.utils.set_random_seed before each Keras test (the fixture says why)
 RESULTS_ENV = "KERAS_OWN_RESULTS"  # a path: every outcome, with its message, written there as JSON
 _CALLS = pytest.StashKey[list]()
 
@@ -63,13 +64,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _keras_own_fit(request, monkeypatch):
-    """In a Keras test: keras.Model.fit is its run's fit (Keras' own or gpupar.fit), recording each call."""
+    """In a Keras test: the random seed set, and keras.Model.fit its run's fit (Keras' own or gpupar.fit), recording
+    each call."""
     run = _run_of(request.node)
     if run is None:
         yield
         return
     import keras
 
+    # Keras' own run seeds nothing; here every run of a test starts from the same weights and data, so that an outcome
+    # that depends on them (a loss that diverges from some initial weights) is the same in every run and every time.
+    keras.utils.set_random_seed(SEED)
     calls = request.node.stash[_CALLS] = []
     if run == "keras":
         fit, options = keras.Model.fit, None
@@ -78,6 +83,7 @@ def _keras_own_fit(request, monkeypatch):
 
         fit, options = gpupar.fit, harness.FIT_OPTIONS[run]
     monkeypatch.setattr(keras.Model, "fit", harness.recording_fit(fit, calls, options))
+    harness.keep_devices(monkeypatch)
     yield
 
 
@@ -92,6 +98,8 @@ def pytest_runtest_call(item):
     if calls is None:
         return result
     codes = "".join(call.code for call in calls)
+    for call in calls:
+        call.forget()
     item.user_properties.append(("keras_own_fits", codes))
     # A unittest test's failure or skip is kept on the item until its report (pytest's unittest.py).
     if getattr(item, "_excinfo", None) or harness.BASELINE_RUN:
@@ -121,9 +129,15 @@ _fits = {}  # Keras test id -> its fits' codes, from the reports of test_on_kera
 
 
 def _message(report) -> str:
+    """The error of a failed report (its first 1000 characters), or a skip's reason."""
     crash = getattr(report.longrepr, "reprcrash", None)
-    text = crash.message if crash is not None else str(report.longrepr or "")
-    return text.strip().splitlines()[0] if text.strip() else ""
+    if crash is not None:
+        text = crash.message
+    elif isinstance(report.longrepr, tuple):  # a skip: (path, line, reason)
+        text = report.longrepr[-1]
+    else:
+        text = str(report.longrepr or "")
+    return text.strip()[:1000]
 
 
 def pytest_runtest_logreport(report):
