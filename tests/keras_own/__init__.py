@@ -9,7 +9,7 @@ keras/src/callbacks/*_test.py. Each runs three ways, one test module each:
     test_two_replicas.py   the same on two replicas (mirrored, two of the session's virtual CPUs)
 
 Only fit is replaced; evaluate and predict stay Keras'. The tests that count are those in
-keras_passes.txt: they pass on Keras here and fit a keras.Model (the others are deselected). A
+keras_passes.txt: they pass on Keras here and fit a keras.Model (the others are not collected). A
 gpupar.fit that applies no update where Keras' fit did (in the same call of the same test) fails
 the test, even if its assertions pass. Deliberate differences are differences.py's, strict xfails.
 

@@ -99,22 +99,24 @@ def load(relative_path: str) -> types.ModuleType:
 
 
 def run_classes(variant) -> dict:
-    """{"<file stem>.<class>": a subclass that runs as `variant`} for every TestCase class of every test file.
+    """{"<file stem>.<class>": a subclass that runs as `variant`} for the TestCase classes of the Keras test files,
+    with only keras_passes.txt's tests (all of them in the run that writes it).
 
-    variant: "keras" (Keras' own fit), 1 or 2 (gpupar.fit on that many replicas). A file that
-    cannot be imported gives a class whose one test fails with the import error, so it is seen.
+    variant: "keras" (Keras' own fit), 1 or 2 (gpupar.fit on that many replicas). In the run that
+    writes keras_passes.txt, a file that cannot be imported gives a class whose one test fails
+    with the import error.
 
     Raises:
-      pytest.UsageError: keras_passes.txt or differences.py names a test that is not here (not in
-        the run that writes keras_passes.txt).
+      pytest.UsageError: keras_passes.txt or differences.py names a test that is not here.
     """
-    classes = {}
+    classes, import_errors = {}, {}
     for relative_path in keras_test_files():
         stem = os.path.basename(relative_path)[:-len(".py")]
         try:
             module = load(relative_path)
         except Exception as e:  # noqa: BLE001  (any import error is reported as the file's failure)
-            classes[f"{stem}.ImportError"] = _import_failure(relative_path, e, variant)
+            import_errors[relative_path] = f"{type(e).__name__}: {e}"
+            classes[f"{stem}.ImportError"] = _import_failure(relative_path, import_errors[relative_path], variant)
             continue
         for class_name, cls in vars(module).items():
             # As pytest collects them in Keras' own run: TestCase classes defined in the file.
@@ -122,27 +124,47 @@ def run_classes(variant) -> dict:
                 name = f"{stem}.{class_name}"
                 classes[name] = type(name, (cls,), {"keras_own_variant": variant, "keras_own_file": relative_path,
                                                     "__qualname__": name})
-    if not BASELINE_RUN:
-        _check_listed(classes)
-    return classes
+    if BASELINE_RUN:
+        return classes
+    baseline = read_baseline()
+    _check_listed(classes, baseline, import_errors)
+    return _only_listed(classes, baseline)
 
 
-def _check_listed(classes):
+def _test_names(cls) -> List[str]:
+    return unittest.TestLoader().getTestCaseNames(cls)
+
+
+def _check_listed(classes, baseline, import_errors):
     """Every test that keras_passes.txt and differences.py name is one of these classes' tests."""
     from keras_own.differences import DIFFERENCES
 
-    here = {f"{name}::{method}" for name, cls in classes.items()
-            for method in unittest.TestLoader().getTestCaseNames(cls)}
-    baseline = read_baseline()
+    here = {f"{name}::{method}" for name, cls in classes.items() for method in _test_names(cls)}
     missing = sorted(set(baseline) - here)
     if missing:
         raise pytest.UsageError(f"keras_passes.txt lists {len(missing)} test(s) that Keras {KERAS_VERSION}'s test files "
-                                f"do not have, e.g. {missing[0]}: run `make keras-own-baseline`")
+                                f"do not have here, e.g. {missing[0]}"
+                                + "".join(f"; keras/src/{path} does not import: {error}"
+                                          for path, error in import_errors.items())
+                                + ": fix the import, or run `make keras-own-baseline`")
     for key, reason in DIFFERENCES.items():
         test_id, replicas = key if isinstance(key, tuple) else (key, None)
         if test_id not in baseline or replicas not in (None, 1, 2) or not reason:
             raise pytest.UsageError(f"differences.py: {key!r} is not a test of keras_passes.txt at 1 or 2 replicas "
                                     "with a reason")
+
+
+def _only_listed(classes, baseline) -> dict:
+    """The classes that hold tests of keras_passes.txt, each with only those: the others are not collected at all."""
+    kept = {}
+    for name, cls in classes.items():
+        names = _test_names(cls)
+        listed = [method for method in names if f"{name}::{method}" in baseline]
+        if listed:
+            for method in set(names) - set(listed):
+                setattr(cls, method, None)  # unittest (and pytest's unittest collection) takes no test that is None
+            kept[name] = cls
+    return kept
 
 
 def difference(test_id: str, replicas: int) -> Optional[str]:
@@ -152,8 +174,8 @@ def difference(test_id: str, replicas: int) -> Optional[str]:
     return DIFFERENCES.get((test_id, replicas), DIFFERENCES.get(test_id))
 
 
-def _import_failure(relative_path, error, variant):
-    message = f"keras/src/{relative_path} does not import here: {type(error).__name__}: {error}"
+def _import_failure(relative_path, error: str, variant):
+    message = f"keras/src/{relative_path} does not import here: {error}"
 
     def test_import(self):
         raise ImportError(message)
