@@ -19,6 +19,9 @@ tf.config.set_logical_device_configuration(
 )
 assert len(tf.config.list_logical_devices("CPU")) == NUM_VIRTUAL_CPUS  # initialises the runtime now
 
+# Keras' own tests through gpupar.fit (tests/keras_own): its hooks, here so that the reporting process loads them too.
+pytest_plugins = ["keras_own.plugin"]
+
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: where benchmarks/ is
 
