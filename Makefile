@@ -66,11 +66,14 @@ USER_TESTS := tests/test_fit.py tests/test_front_door.py tests/test_keras_native
 # Two workers: these tests compute, they do not wait on subprocesses.
 test-versions: data
 	@failed=""; for venv in $(PAIR_VENVS); do \
+		start=$$(date +%s); \
 		$(MAKE) --no-print-directory $$venv/.installed || { failed="$$failed $$venv(install)"; continue; }; \
 		$$venv/bin/python -c "from importlib.metadata import version as v; print('=== tensorflow', v('tensorflow'), \
 			'+ keras', v('keras'), 'in $$venv (ml_dtypes', v('ml_dtypes') + ', numpy', v('numpy') + ', protobuf', \
-			v('protobuf') + '): the user-facing tests, not slow')"; \
+			v('protobuf') + '; set up in $$(( $$(date +%s) - start )) s): the user-facing tests, not slow')"; \
+		start=$$(date +%s); \
 		$$venv/bin/python -m pytest -q -n 2 -m "not slow" $(USER_TESTS) || failed="$$failed $$venv"; \
+		echo "=== $$venv: tests took $$(( $$(date +%s) - start )) s"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "=== failed in:$$failed"; exit 1; fi; \
 	echo "=== the user-facing tests passed on every pair: $(VERSION_PAIRS)"
