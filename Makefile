@@ -6,7 +6,8 @@ DATA_DIR ?= /usr/share/datasets/fashion-mnist
 RUN_DIR ?= runs/fashion_mnist
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: venv venv-versions data train test test-fast test-versions bench bench-input bench-pipeline bench-keras-io bench-own-step results docs clean
+.PHONY: venv venv-versions data train test test-fast test-versions bench bench-input bench-pipeline bench-keras-io \
+	bench-own-step results docs clean
 
 # The TensorFlow + Keras pairs that CI tests (make test-versions), oldest first, all inside the range that
 # pyproject.toml admits: Colab's 2.18 + 3.8 and 2.19 + 3.10, 2.20 + 3.12, and the newest, which is .venv's.

@@ -1,4 +1,4 @@
-"""The supported TensorFlow + Keras range: written once in pyproject.toml, refused outside at import, tested in pairs."""
+"""The TensorFlow + Keras range: written once in pyproject.toml, refused outside it at import, tested in pairs."""
 
 import os
 import re
@@ -51,7 +51,8 @@ def test_every_pair_that_ci_tests_is_in_the_range_and_the_newest_is_this_environ
     ("tensorflow", "2.19.0+nv25.02", "3.10.0"),  # NVIDIA's containers' local version: its public part counts
 ])
 def test_versions_in_the_range_pass(tf_name, tf_version, keras_version):
-    assert versions.refusal(RANGES, {"tensorflow": [(tf_name, tf_version)], "keras": [("keras", keras_version)]}) is None
+    found = {"tensorflow": [(tf_name, tf_version)], "keras": [("keras", keras_version)]}
+    assert versions.refusal(RANGES, found) is None
 
 
 @pytest.mark.parametrize("found, named", [
