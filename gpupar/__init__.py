@@ -27,6 +27,7 @@ os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 from gpupar.versions import check_supported  # noqa: E402
 
 check_supported()  # a TensorFlow or Keras outside pyproject's range is refused here, in one line, before any use
+
 from gpupar.config import Config
 from gpupar.errors import GpuparError
 from gpupar.runtime.devices import DevicePlan, plan_devices
