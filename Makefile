@@ -1,18 +1,41 @@
 # make train: set up, then the default training run.   make test: set up, then every test.
+# make test-versions: set up each TensorFlow + Keras pair of VERSION_PAIRS, then the user-facing tests on it.
 VENV ?= .venv
 PYTHON ?= python3
 DATA_DIR ?= /usr/share/datasets/fashion-mnist
 RUN_DIR ?= runs/fashion_mnist
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: venv data keras-tests keras-own keras-own-baseline train test test-fast bench bench-input bench-pipeline bench-keras-io bench-own-step results docs clean
+.PHONY: venv venv-versions data keras-tests keras-own keras-own-baseline train test test-fast test-versions bench \
+	bench-input bench-pipeline bench-keras-io bench-own-step results docs clean
+
+# The TensorFlow + Keras pairs that CI tests (make test-versions), oldest first, all inside the range that
+# pyproject.toml admits: Colab's 2.18 + 3.8 and 2.19 + 3.10, 2.20 + 3.12, and the newest, which is .venv's.
+VERSION_PAIRS := 2.18.0:3.8.0 2.19.0:3.10.0 2.20.0:3.12.0 2.21.0:3.15.1
+NEWEST_PAIR := $(lastword $(VERSION_PAIRS))
+pins = tensorflow==$(firstword $(subst :, ,$(1))) keras==$(lastword $(subst :, ,$(1)))
+tf_minor = $(basename $(firstword $(subst :, ,$(1))))
+OLDER_MINORS := $(foreach pair,$(filter-out $(NEWEST_PAIR),$(VERSION_PAIRS)),$(call tf_minor,$(pair)))
+# Each pair's environment, the project installed editable in it: .venv-tf2.18/ (make venv-tf2.18) and so on;
+# the newest pair's is .venv, the one make train and make test use.
+PAIR_VENVS := $(foreach minor,$(OLDER_MINORS),.venv-tf$(minor)) $(VENV)
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q -e '.[test]' $(call pins,$(NEWEST_PAIR))
 	touch $@
 
 venv: $(VENV)/.installed
+
+.venv-tf%/.installed: pyproject.toml
+	$(if $(filter $*.%,$(VERSION_PAIRS)),,$(error no pair of VERSION_PAIRS has TensorFlow $*))
+	$(PYTHON) -m venv .venv-tf$*
+	.venv-tf$*/bin/pip install -q -e '.[test]' $(call pins,$(filter $*.%,$(VERSION_PAIRS)))
+	touch $@
+
+$(foreach minor,$(OLDER_MINORS),venv-tf$(minor)): venv-tf%: .venv-tf%/.installed
+venv-tf$(call tf_minor,$(NEWEST_PAIR)): venv
+venv-versions: $(foreach minor,$(OLDER_MINORS),venv-tf$(minor)) venv
 
 # Real Fashion-MNIST in MNIST's IDX format, from Debian (MNIST itself needs a download).
 $(DATA_DIR)/train-images-idx3-ubyte.gz:
@@ -60,6 +83,26 @@ test: venv data keras-tests
 test-fast: venv data keras-tests
 	$(PYTEST) -m "not slow"
 
+# What a user's program does (gpupar.fit and model.fit's surface), not slow: the tests that must pass on every pair.
+USER_TESTS := tests/test_fit.py tests/test_front_door.py tests/test_keras_native.py tests/test_own_step.py \
+	tests/test_keras_surface.py tests/test_fit_options.py
+
+# Every pair, each named in the log with what its environment holds, even after a pair fails; fails if any did.
+# Two workers: these tests compute, they do not wait on subprocesses.
+test-versions: data
+	@failed=""; for venv in $(PAIR_VENVS); do \
+		start=$$(date +%s); \
+		$(MAKE) --no-print-directory $$venv/.installed || { failed="$$failed $$venv(install)"; continue; }; \
+		$$venv/bin/python -c "from importlib.metadata import version as v; print('=== tensorflow', v('tensorflow'), \
+			'+ keras', v('keras'), 'in $$venv (ml_dtypes', v('ml_dtypes') + ', numpy', v('numpy') + ', protobuf', \
+			v('protobuf') + '; set up in $$(( $$(date +%s) - start )) s): the user-facing tests, not slow')"; \
+		start=$$(date +%s); \
+		$$venv/bin/python -m pytest -q -n 2 -m "not slow" $(USER_TESTS) || failed="$$failed $$venv"; \
+		echo "=== $$venv: tests took $$(( $$(date +%s) - start )) s"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "=== failed in:$$failed"; exit 1; fi; \
+	echo "=== the user-facing tests passed on every pair: $(VERSION_PAIRS)"
+
 bench: venv data
 	$(VENV)/bin/python -m benchmarks.bench --data_dir=$(DATA_DIR)
 
@@ -85,4 +128,4 @@ docs: venv
 	$(VENV)/bin/python -c 'import gpupar.cli; print(gpupar.cli.flags_markdown(), end="")' > docs/flags.md
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .venv-tf* runs .pytest_cache

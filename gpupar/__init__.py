@@ -24,6 +24,10 @@ import sys
 # default (set before TensorFlow starts CUDA) TensorFlow's GPU i is NVML's i-th visible GPU.
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
+from gpupar.versions import check_supported  # noqa: E402
+
+check_supported()  # a TensorFlow or Keras outside pyproject's range is refused here, in one line, before any use
+
 from gpupar.config import Config
 from gpupar.errors import GpuparError
 from gpupar.runtime.devices import DevicePlan, plan_devices

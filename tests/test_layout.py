@@ -86,8 +86,8 @@ def test_the_walk_finds_a_circle_when_there_is_one():
 # Every package's modules, lowest first: a module may import from its own rank and those below it,
 # never from above; a package's own __init__ ranks above all of its modules (it may gather them).
 ORDER = {
-    "gpupar": ["errors", "keras_compat", "config", "runtime", "data", "models", "monitor", "training", "presets", "commands",
-               "__init__", "cli", "__main__"],
+    "gpupar": ["versions", "errors", "keras_compat", "config", "runtime", "data", "models", "monitor", "training",
+               "presets", "commands", "__init__", "cli", "__main__"],
     "gpupar.runtime": ["startup", "teardown", "nvml", "network", "cluster", "precision", "devices", "strategy", "stages",
                        "launch"],
     "gpupar.data": ["idx", "tfds", "augment", "array_pipeline", "mnist_images", "adapters"],
