@@ -65,6 +65,15 @@ def strategy_of(model):
     return getattr(model, "_distribute_strategy", None)
 
 
+def initial_epoch(model):
+    """The epoch a callback asked training to start from in its on_train_begin, or None.
+
+    Keras' callbacks (BackupAndRestore) set the model's `_initial_epoch`, which Keras' fit reads
+    after on_train_begin (keras/src/backend/tensorflow/trainer.py, 3.0-3.15).
+    """
+    return getattr(model, "_initial_epoch", None)
+
+
 def all_layers(model, include_self: bool = True) -> list:
     """The model's layers, nested ones included: Layer._flatten_layers (3.0-3.15; `model.layers` is one level)."""
     return list(model._flatten_layers(include_self=include_self))
@@ -150,6 +159,7 @@ def loss_sums(loss, y_true, y_pred, sample_weight=None):
         y_true = tf.nest.map_structure(lambda t: keras.ops.convert_to_tensor(t, dtype=loss.dtype), y_true)
         values = loss.call(y_true, y_pred)
         out_mask = get_keras_mask(values)
+        values = keras.ops.convert_to_tensor(values, dtype=loss.dtype)  # a function may return a Python number
         masks = [m for m in (in_mask, out_mask) if m is not None]
         mask = None if not masks else masks[0] if len(masks) == 1 else masks[0] & masks[1]
         total = reduce_weighted_values(values, sample_weight=sample_weight, mask=mask, reduction="sum",
@@ -157,7 +167,9 @@ def loss_sums(loss, y_true, y_pred, sample_weight=None):
         counted = sample_weight if loss.reduction == "mean_with_sample_weight" else None
         count = reduce_weighted_values(keras.ops.ones_like(values), sample_weight=counted, mask=mask,
                                        reduction="sum", dtype=loss.dtype)
-    return total, count, values.shape.rank == 0
+    # Keras returns values of shape (0,) as they are (reduce_values): an empty share (a replica of a last
+    # small batch, run eagerly) sums to 0.
+    return keras.ops.sum(total), keras.ops.sum(count), values.shape.rank == 0
 
 
 # -- Per-replica semantics: a Keras loss inside the model, and random draws --------------------------
@@ -272,6 +284,9 @@ def share_global_seed_generator(generator):
 def move_variables(model, strategy):
     """Makes each of the model's variables again under `strategy`'s scope, with its value: as if built there.
 
+    The model then belongs to the strategy as one made in its scope does (TensorFlowTrainer's
+    `_distribute_strategy`, see strategy_of).
+
     A Keras variable keeps its TensorFlow variable in `_value`, which its own `_initialize` makes
     from a value with the variable's name, dtype, trainability, aggregation and synchronization
     (keras/src/backend/tensorflow/core.py, Variable._initialize, 3.0-3.15); the model's layers
@@ -280,12 +295,42 @@ def move_variables(model, strategy):
     (TensorFlowTrainer.train_function, test_function, predict_function: Keras makes them again).
     Call it in the strategy's scope.
     """
-    for variable in model.variables:
-        if variable_strategy(variable) is not strategy:
+    seen = set()
+    for variable in [*model.variables, *model.metrics_variables]:
+        if id(variable) not in seen and variable_strategy(variable) is not strategy:
             variable._initialize(tf.identity(variable.value))
+        seen.add(id(variable))
     for layer in all_layers(model):
         if isinstance(layer, keras.Model):
             layer.train_function = layer.test_function = layer.predict_function = None
+    model._distribute_strategy = strategy  # Keras' evaluate and predict then run under it, as for a model made there
+
+
+@contextlib.contextmanager
+def optimizers_built_outside(optimizers, strategy):
+    """While open, an optimizer that builds itself inside a traced step makes its variables outside it.
+
+    A Keras optimizer makes its variables on its first apply_gradients (BaseOptimizer.apply,
+    keras/src/optimizers/base_optimizer.py, 3.0-3.15), with the variables it is given; inside
+    a tf.function under MirroredStrategy those cannot be made (their initial values would depend
+    on the function's inputs), which is why Keras' own fit fails on a GAN under a strategy. So
+    each unbuilt optimizer's `build` is, on this object only and while the block lasts, run
+    eagerly in the strategy's scope on the same variables, as if it had been built before the step.
+    """
+    patched = [optimizer for optimizer in optimizers if not optimizer.built]
+    for optimizer in patched:
+        def build(variables, build=optimizer.build):
+            def eagerly(*_):
+                with tf.init_scope(), strategy.scope():
+                    build(variables)
+            context = tf.distribute.get_replica_context()
+            context.merge_call(eagerly) if context is not None else eagerly()
+        optimizer.__dict__["build"] = build
+    try:
+        yield
+    finally:
+        for optimizer in patched:
+            optimizer.__dict__.pop("build", None)
 
 
 def variable_strategy(variable):

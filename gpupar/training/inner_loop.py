@@ -99,7 +99,7 @@ def timed_loop_iterations(on_gpus: bool) -> int:
 
 
 def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_iterations=1, combine=None,
-                      reductions=None, state_variables=()):
+                      reductions=None, state_variables=(), eager=False):
     """A tf.function(iterator, num_steps) that runs batch_step on num_steps batches in one call.
 
     batch_step(batch, states) returns (a structure of float32 tensors shaped like `zeros`, the new
@@ -120,8 +120,10 @@ def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_it
     state_variables (Keras variables: the compiled metrics') are read when the call starts; each
     replica carries their values through its steps as `states` and updates them as Keras would
     (gpupar.training.steps.parts.updated_metrics), and when the call ends every variable takes the
-    replicas' states as it declares its aggregation (carried_into).
+    replicas' states as it declares its aggregation (carried_into). With `eager` the function runs
+    eagerly, not as a tf.function (Keras' run_eagerly).
     """
+    function = (lambda f: f) if eager else tf.function(autograph=False)
     combine = combine or _add
     state_variables = list(state_variables)
 
@@ -151,7 +153,7 @@ def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_it
 
     # No autograph (as Keras' own train function): the loops are written as tf.while_loop, and
     # converting gpupar's step code with autograph cost each fresh process seconds of tracing.
-    @tf.function(autograph=False)
+    @function
     def run(iterator, num_steps):
         def body(i, carried):
             return i + 1, step(carried, next(iterator))
@@ -160,7 +162,7 @@ def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_it
         _, carried = tf.while_loop(lambda i, _: i < num_steps, body, (tf.constant(0), first))
         return reduced(carried, begun)
 
-    @tf.function(autograph=False)
+    @function
     def timed_run(iterator, num_steps, skip_first_wait=False):
         def body(i, carried, waited):
             # On CPUs one iteration at a time, so a step asks for its batch once the one before it

@@ -16,6 +16,7 @@ import signal
 import time
 from typing import Dict, List, Optional
 
+from gpupar import keras_compat
 from gpupar.errors import GpuparError
 from gpupar.training.checkpoint import Position
 from gpupar.training.inner_loop import Results
@@ -108,14 +109,11 @@ class _Epoch:
         self.totals = EpochTotals.from_dict(start.totals)  # the steps before start.step, in an earlier run
         self.shown, self.shown_time = self.totals.copy(), self.began
         self.asked = self.finished = start.step
+        self.spoilt = False  # a non-finite loss that a callback stopped training at: the weights are not saved
 
     def so_far(self) -> EpochTotals:
         """The totals with the seconds so far: what a step checkpoint holds."""
         return dataclasses.replace(self.totals.copy(), seconds=self.totals.seconds + time.perf_counter() - self.began)
-
-
-class _CallbackStop(Exception):
-    """A callback set model.stop_training within an epoch; the loop has saved where it stood."""
 
 
 class Loop:
@@ -134,6 +132,8 @@ class Loop:
         self.skips = nan_policy == "skip"
         self.input = self.stop = None  # set by run()
         self.done = 0  # steps this process asked for
+        self.cut_short = False  # whether a callback stopped the last epoch before its end
+        self.spoilt = False  # whether it stopped it at a non-finite loss: its weights are not saved
 
     def _call(self, current: _Epoch, num_steps: int):
         """Runs one call of num_steps steps and adds what it reports to the epoch."""
@@ -147,18 +147,25 @@ class Loop:
         self._add(current, results, skipped)
 
     def _add(self, current: _Epoch, results: Results, skipped: int):
-        """Adds the steps a call reports (`skipped` of them non-finite); tells the observers; a progress line when due."""
+        """Adds the steps a call reports (`skipped` of them non-finite); tells the observers; a progress line when due.
+
+        The observers hear of a non-finite loss first, as Keras' callbacks do: one that stops
+        training (TerminateOnNaN) ends the epoch there, as in model.fit; else the run stops with
+        gpupar's error, the last good checkpoint kept.
+        """
         trainer = self.trainer
         before, current.finished = current.finished, current.finished + results.steps
         current.totals.add(results, skipped)
-        name, value = non_finite(results)
-        if name is not None:
-            where = f"step {current.finished}" if before + 1 == current.finished else \
-                f"one of steps {before + 1}..{current.finished}"
-            raise GpuparError(f"training {name} became {value} at epoch {current.epoch}, {where}; "
-                              f"{_stopped_without_saving(self.checkpoints.latest)}")
         self.observers.on_call_end(CallEnd(self.done, current.epoch, current.finished, results,
                                            lambda: trainer.step.logs(current.totals.step_logs)))
+        name, value = non_finite(results)
+        if name is not None:
+            if not trainer.model.stop_training:
+                where = f"step {current.finished}" if before + 1 == current.finished else \
+                    f"one of steps {before + 1}..{current.finished}"
+                raise GpuparError(f"training {name} became {value} at epoch {current.epoch}, {where}; "
+                                  f"{_stopped_without_saving(self.checkpoints.latest)}")
+            current.spoilt = True  # a callback stopped training at it: nothing more is saved
         display = self.options.display_step
         if results.steps and display and (_crosses(before, current.finished, display)
                                           or current.finished == trainer.steps_per_epoch or self.stop.signum):
@@ -199,12 +206,15 @@ class Loop:
     def epoch(self, epoch, start: Position) -> EpochRecord:
         """Trains the rest of one epoch from `start`; returns its EpochRecord, the whole epoch's.
 
+        A callback that sets model.stop_training ends the epoch at that call, as in model.fit: the
+        epoch is evaluated and recorded (with the steps it ran), after a step checkpoint where the
+        weights are finite.
+
         Raises:
           TrainingInterrupted: a signal, after a step checkpoint.
-          _CallbackStop: a callback set model.stop_training, after a step checkpoint.
         """
         per_epoch, every, stop = self.trainer.steps_per_epoch, self.options.checkpoint_every_steps, self.stop
-        current = _Epoch(epoch, start)
+        current, self.cut_short = _Epoch(epoch, start), False
         if start.step == 0:
             self.trainer.begin_epoch()
         while current.asked < per_epoch:
@@ -214,14 +224,17 @@ class Loop:
             self._call(current, num_steps)
             current.asked += num_steps
             if current.asked < per_epoch and self.trainer.model.stop_training:
-                saved = self._save_step(current)
+                self._add(current, self.trainer.finish(), 0)
+                saved = None if current.spoilt else self._save_step(current)
                 log.info("Epoch:[%d] a callback stopped training at step %d%s", epoch, current.asked,
                          f"; saved {saved}" if saved else "")
-                raise _CallbackStop()
+                self.cut_short = True
+                break
             if current.asked < per_epoch and not stop.signum and _crosses(current.asked - num_steps, current.asked,
                                                                            every):
                 self._save_step(current)
         self._add(current, self.trainer.finish(), 0)
+        self.spoilt = current.spoilt
         return self._record(current)
 
     def _record(self, current: _Epoch) -> EpochRecord:
@@ -244,21 +257,28 @@ class Loop:
         raise TrainingInterrupted(stop.signum, saved)
 
     def run(self, start: Position, stop) -> List[EpochRecord]:
-        """Trains from `start` to the last epoch; returns the EpochRecords of this run."""
+        """Trains from `start` to the last epoch; returns the EpochRecords of this run.
+
+        The callbacks' on_train_begin may move the start to a later epoch, as in model.fit
+        (BackupAndRestore restores its backup and says the epoch it holds).
+        """
         history, epochs, self.stop = [], self.options.epochs, stop
+        self.trainer.model.stop_training = False
+        self.observers.on_train_begin()
+        restored = keras_compat.initial_epoch(self.trainer.model)
+        if restored is not None and restored > start.epoch:
+            start = Position(restored)
         if start.epoch >= epochs:
             log.info("nothing to train: the checkpoint already holds %d epoch(s), epochs=%d", start.epoch, epochs)
         self.input = self.trainer.start(start.epoch * self.trainer.steps_per_epoch + start.step)
-        self.trainer.model.stop_training = False
-        self.observers.on_train_begin()
         for epoch in range(start.epoch, epochs):
             self.observers.on_epoch_begin(epoch)
-            try:
-                record = self.epoch(epoch, start if epoch == start.epoch else Position(epoch))
-            except _CallbackStop:
-                break
+            current = start if epoch == start.epoch else Position(epoch)
+            record = self.epoch(epoch, current)
             history.append(record)
-            saved = self._save(epoch, self.trainer.steps_per_epoch, lambda: self.checkpoints.save_epoch(epoch + 1))
+            stopped, saved = self.trainer.model.stop_training, None
+            if not self.cut_short and not self.spoilt:  # a whole epoch, its weights finite: its checkpoint
+                saved = self._save(epoch, self.trainer.steps_per_epoch, lambda: self.checkpoints.save_epoch(epoch + 1))
             self.observers.on_epoch_end(record, saved, history)
             if stop.signum:
                 self._interrupt(stop, saved)
@@ -266,7 +286,7 @@ class Loop:
             if reached:
                 log.info("Epoch:[%d] %s; stopping", epoch, reached)
                 break
-            if self.trainer.model.stop_training:
+            if stopped or self.trainer.model.stop_training:
                 log.info("Epoch:[%d] a callback stopped training", epoch)
                 break
         if start.epoch < epochs:

@@ -20,7 +20,7 @@ from gpupar import keras_compat
 from gpupar.errors import GpuparError
 from gpupar.models.layers import replica_consistent_state
 from gpupar.training.inner_loop import unpack
-from gpupar.training.steps.own import has_own_step
+from gpupar.training.steps.own import has_own_step, optimizers_of
 
 log = logging.getLogger("gpupar")
 
@@ -34,6 +34,7 @@ class Compiled:
       loss, loss_weights, metrics, weighted_metrics: As model.compile takes them.
       steps_per_execution: compile's steps_per_execution (1: not given).
       jit_compile: compile's jit_compile, resolved by Keras (False on a machine without accelerators).
+      run_eagerly: compile's run_eagerly: Keras' debugging mode, every step run eagerly.
       by_user: Whether the model came compiled from model_fn.
       own_step: Whether the model's own train_step trains it (gpupar.training.steps.own); its compile
         says only the optimizer (its own, used as it is), steps_per_execution and jit_compile.
@@ -47,6 +48,7 @@ class Compiled:
     steps_per_execution: int = 1
     jit_compile: bool = False
     by_user: bool = False
+    run_eagerly: bool = False
     own_step: bool = False
 
 
@@ -54,7 +56,7 @@ def compile_arguments(model, task) -> Compiled:
     """The model's compile() arguments where model_fn compiled it, else gpupar.fit's loss, metrics and optimizer.
 
     Raises:
-      GpuparError: a compiled model and fit's own loss, metrics or optimizer too; run_eagerly.
+      GpuparError: a compiled model and fit's own loss, metrics or optimizer too.
     """
     own_step = has_own_step(model)
     if not getattr(model, "compiled", False):
@@ -66,13 +68,10 @@ def compile_arguments(model, task) -> Compiled:
     if given:
         raise GpuparError(f"model_fn returns a model compiled with its own {given[0]}, and gpupar.fit got {given[0]}= "
                           f"too; drop one of them (the rule: compile in model_fn, call gpupar.fit as model.fit)")
-    if model.run_eagerly:
-        raise GpuparError("the model is compiled with run_eagerly=True, which runs model.fit's step eagerly for "
-                          "debugging; gpupar runs its step in one tf.function per call: compile without it")
     settings = keras_compat.compile_settings(model)
     return Compiled(model.optimizer, model.loss, settings.get("loss_weights"), settings.get("metrics"),
                     settings.get("weighted_metrics"), int(model.steps_per_execution or 1), bool(model.jit_compile),
-                    by_user=True, own_step=own_step)
+                    by_user=True, own_step=own_step, run_eagerly=bool(model.run_eagerly))
 
 
 def _checked_own_step(model, mode, step):
@@ -123,7 +122,7 @@ def model_and_optimizer(step, task, mode, placement, train):
                 elif moved:
                     keras_compat.move_variables(model, placement.strategy)
             compiled = compile_arguments(model, task)
-            if compiled.own_step:
+            if compiled.own_step and not moved:
                 inner = applied = compiled.optimizer  # its own, built on the model's variables as model.fit builds it
             elif task.model is not None and compiled.by_user and not moved:
                 inner, applied = _kept_optimizer(model.optimizer, step)
@@ -186,15 +185,17 @@ def _compiled_for_the_run(model, compiled: Compiled, applied, recompiled: bool):
 
     A model that came compiled keeps its compile (its loss and metric objects; one whose variables
     moved under the strategy is compiled again with the same arguments and fresh metric objects,
-    whose variables are made under it). One that did not is compiled with fit's loss and metrics,
-    as the user would compile it.
+    whose variables are made under it; one with its own train_step keeps its own compile, with
+    the optimizer made again). One that did not is compiled with fit's loss and metrics, as the
+    user would compile it.
     """
-    if compiled.by_user and not recompiled:
+    if compiled.by_user and (not recompiled or compiled.own_step):
         model.optimizer = applied  # where Keras' callbacks (ReduceLROnPlateau, LearningRateScheduler) look for it
         return
     model.compile(optimizer=applied, loss=compiled.loss, loss_weights=compiled.loss_weights,
                   metrics=_fresh(compiled.metrics), weighted_metrics=_fresh(compiled.weighted_metrics),
-                  steps_per_execution=compiled.steps_per_execution, jit_compile=compiled.jit_compile)
+                  steps_per_execution=compiled.steps_per_execution, jit_compile=compiled.jit_compile,
+                  run_eagerly=compiled.run_eagerly)
 
 
 def _fresh(metrics):
@@ -215,7 +216,8 @@ def _given_model(model, mode, placement, step):
     earlier fit moved under it); one built outside any strategy trains as it is on one device
     (under TensorFlow's default strategy, as model.fit without one), and for several its
     variables are made again under the strategy, with their values, as if it had been built in
-    the strategy's scope: the same model object trains, whatever its class.
+    the strategy's scope (keras_compat.move_variables): the same model object trains, whatever its
+    class, and belongs to the strategy from then on.
 
     Raises:
       GpuparError: a mode that builds the model itself, a model of another strategy, precision
@@ -230,9 +232,7 @@ def _given_model(model, mode, placement, step):
                           f"model is built already: call keras.config.set_dtype_policy({step.precision!r}) before "
                           "building it (and drop precision)")
     made_under = strategy_of(model)
-    moved = made_under is None and bool(model.variables) and all(
-        keras_compat.variable_strategy(v) is placement.strategy for v in model.variables)
-    if made_under is placement.strategy or moved:
+    if made_under is placement.strategy:
         return placement, False
     if made_under is not None:
         raise GpuparError(f"{model.name} was built under another strategy than this fit's ({placement.description}); "
@@ -240,13 +240,14 @@ def _given_model(model, mode, placement, step):
                           "options")
     if placement.replicas == 1 and placement.workers == 1 and len(placement.devices) == 1:
         return dataclasses.replace(placement, strategy=tf.distribute.get_strategy()), False
-    if has_own_step(model):  # its optimizers, made outside, would apply their updates under no strategy
-        raise GpuparError(f"{model.name} ({type(model).__name__}) has its own train_step and was built outside any "
-                          "strategy, with its optimizers; build it and compile it under the strategy: strategy = "
+    if has_own_step(model) and [o for o in optimizers_of(model) if o is not model.optimizer]:
+        # Optimizers of its own, made outside, would apply their updates under no strategy.
+        raise GpuparError(f"{model.name} ({type(model).__name__}) has its own train_step and optimizers of its own, "
+                          "made outside any strategy; build and compile it under the strategy: strategy = "
                           "gpupar.strategy(...) first thing in the script, then `with strategy.scope():` around both")
     log.info("model: %s was built outside any strategy, so its variables are made again under this one, with their "
-             "values, as if it had been built in its scope (its optimizer starts afresh, from its config); later fits "
-             "train it there as it is", model.name)
+             "values, as if it had been built in its scope (its optimizer starts afresh, from its config); from now on "
+             "it belongs to this strategy, for later fits and for Keras' evaluate and predict", model.name)
     return placement, True
 
 

@@ -14,6 +14,7 @@ import time
 from typing import Callable, Dict, List, Optional
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from gpupar.monitor import bottleneck
@@ -295,13 +296,13 @@ class TensorBoardScalars(Observer):
     def on_progress(self, line):
         with self.writer.as_default(step=line.global_step):
             for name, value in line.logs.items():
-                if not isinstance(value, list):  # a metric's vector (at several thresholds) is no scalar
+                if not np.ndim(value):  # a metric's vector (at several thresholds) is no scalar
                     tf.summary.scalar(f"step/{name}", value)
 
     def on_epoch_end(self, record, saved, history):
         with self.writer.as_default(step=record.epoch):
             for name, value in record.logs.items():
-                if not isinstance(value, list):
+                if not np.ndim(value):
                     tf.summary.scalar(f"epoch/{name}", value)
             tf.summary.scalar("epoch/examples_per_second", record.examples_per_second)
             tf.summary.scalar("epoch/input_wait_fraction", record.input_wait_fraction)

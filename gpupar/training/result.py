@@ -5,13 +5,17 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
+import numpy as np
+
 from gpupar.errors import GpuparError
 
 
 def format_logs(logs) -> str:
     """'loss: 0.6119, accuracy: 0.8012, val_loss: ...': a progress line's numbers, Keras' names (a vector in [])."""
     def shown(value):
-        return f"[{', '.join(f'{v:.4f}' for v in value)}]" if isinstance(value, list) else f"{value:.4f}"
+        if np.ndim(value):  # a metric of several values (Precision at several thresholds)
+            return f"[{', '.join(f'{v:.4f}' for v in np.ravel(value))}]"
+        return f"{value:.4f}"
 
     return ", ".join(f"{name}: {shown(value)}" for name, value in logs.items())
 
@@ -145,11 +149,18 @@ class FitResult:
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             with open(path + ".tmp", "w") as f:
-                json.dump(metrics, f, indent=2)
+                json.dump(metrics, f, indent=2, default=_plain)
                 f.write("\n")
             os.replace(path + ".tmp", path)  # never leaves a half-written file
         except OSError as e:
             raise GpuparError(f"{path}: cannot write the metrics ({e.strerror})") from None
+
+
+def _plain(value):
+    """A log's NumPy value (a metric of several values) as JSON takes it."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON-able")
 
 
 def _earlier_epochs(path: str, start_epoch: int) -> list:

@@ -81,6 +81,7 @@ def build_trainer(config, task, mode, cluster=None) -> Trainer:
         checked_reductions(model)
         _check_labels(model, train)
         step = mode.step(model, optimizer, update_optimizer, variables, step_options, placement)
+    step.run_eagerly = compiled.run_eagerly
     _log_batch(per_step, placement, step_options, train)
     _log_step_options(step_options)
     steps_per_call = _steps_per_call(loop, mode, steps_per_epoch)
@@ -202,7 +203,12 @@ def _steps_per_epoch(loop, train, global_batch: int, placement) -> int:
 
 
 def _with_compile_options(step, loop, compiled: Compiled):
-    """(StepOptions, LoopOptions) with compile's jit_compile and steps_per_execution, where the options leave them."""
+    """(StepOptions, LoopOptions) with compile's jit_compile and steps_per_execution, where the options leave them.
+
+    run_eagerly, Keras' debugging mode, runs one step per call, without XLA, as model.fit does.
+    """
+    if compiled.run_eagerly:
+        return dataclasses.replace(step, jit_compile=False), dataclasses.replace(loop, steps_per_call=1)
     if compiled.jit_compile and not step.jit_compile:
         step = dataclasses.replace(step, jit_compile=True)
     if compiled.steps_per_execution > 1 and loop.steps_per_call is None:

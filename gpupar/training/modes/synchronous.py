@@ -9,7 +9,7 @@ from gpupar.runtime.strategy import STRATEGIES, detected_plan, jit_compile_refus
 from gpupar.training.inner_loop import timed_loop_iterations
 from gpupar.training.modes.mode import Mode
 from gpupar.training.steps.compiled import CompiledStep
-from gpupar.training.steps.own import own_step
+from gpupar.training.steps.own import OwnStep
 from gpupar.training.steps.step import Evaluation, LocalCalls, no_evaluation
 from gpupar.training.trainer import Placement
 
@@ -57,7 +57,7 @@ class Synchronous(Mode):
         eval_spec = None
         if data is not None:
             eval_spec = data.distribute_evaluation(strategy, eval_batch, per_pipeline, validation_steps)[0].element_spec
-        return own_step(strategy, model, spec, eval_spec, jit_compile)
+        return OwnStep(strategy, model, spec, eval_spec, jit_compile)
 
     def calls(self, step, placement, replica_rows):
         return LocalCalls(step, placement.strategy, timed_loop_iterations(placement.on_gpus), replica_rows)

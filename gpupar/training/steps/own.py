@@ -13,15 +13,14 @@ step does). What still holds: Keras' random layers and SeedGenerators draw apart
 batch-norm statistics are averaged over the replicas, and the optimizers' all-reduce is Keras'.
 """
 
-import contextlib
 import logging
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from gpupar.errors import GpuparError
 from gpupar import keras_compat
+from gpupar.errors import GpuparError
 from gpupar.training.checkpoint import inexact_resume_note, unsaved_draws
 from gpupar.training.inner_loop import SUM, Results
 from gpupar.training.loss import summed_over_replicas
@@ -130,38 +129,77 @@ def _step_logs(model, step_name, batch):
 
 
 class OwnStep(Step):
-    """The model's own train_step and test_step, on each replica: rows summed, the last step's logs averaged.
+    """The model's own train_step and test_step, as Keras' fit runs them: on every replica, the logs averaged.
 
-    Its metrics live in the model: reset when an epoch begins and before each evaluation, as
-    model.fit does, and checkpointed, so that an epoch resumed mid-way reports the whole epoch.
+    Each is one tf.function that runs the model's step on every replica (strategy.run) and
+    averages its logs over them, as Keras' own train function does; traced once, on the input's
+    shapes, before training (`traced`): its logs' names are the K-steps call's, what its first
+    trace makes (the optimizers' variables) exists before a checkpoint is restored, and what it
+    returns is checked before any is written. The K-steps call runs it, across the replicas,
+    keeping the rows summed and the last step's logs. Its metrics live in the model: reset when
+    an epoch begins and before each evaluation, as model.fit does, and checkpointed, so that an
+    epoch resumed mid-way reports the whole epoch.
 
     Attributes:
-      names: The names of the logs train_step returns, in order (probe).
+      strategy: The strategy it runs on every replica of.
+      names: The names of the logs train_step returns, in order.
       eval_names: The names of the logs test_step returns ([] without evaluation data).
     """
 
-    def __init__(self, model, names, eval_names=(), jit_compile: bool = False):
-        self.model, self.names, self.eval_names, self.jit_compile = model, list(names), list(eval_names), jit_compile
+    runs_replicas = True  # its functions run the replicas themselves (strategy.run): the K-steps call does not
+
+    def __init__(self, strategy, model, element_spec, eval_spec=None, jit_compile: bool = False):
+        self.strategy, self.model, self.jit_compile = strategy, model, jit_compile
         self.optimizer = model.optimizer
         self.first_step_check = FirstStepCheck(model)
+        self.one_train = self._one_step("train_step")
+        self.one_test = self._one_step("test_step") if eval_spec is not None else None
+        self.names = self.traced(self.one_train, element_spec, "train_step")
+        self.eval_names = self.traced(self.one_test, eval_spec, "test_step") if eval_spec is not None else []
+
+    def _one_step(self, step_name):
+        """A tf.function(batch) -> (rows, logs): the model's step on every replica's share, the logs averaged."""
+        strategy, model = self.strategy, self.model
+
+        def one_step(batch):
+            rows, logs = strategy.run(lambda share: (_rows(share), _step_logs(model, step_name, share)),
+                                      args=(batch,))
+            return strategy.reduce(SUM, rows, axis=None), {name: strategy.reduce(MEAN, value, axis=None)
+                                                           for name, value in logs.items()}
+
+        return tf.function(one_step, autograph=False, jit_compile=self.jit_compile and step_name == "train_step")
+
+    def traced(self, function, element_spec, step_name) -> list:
+        """Traces the step's function on the input's spec, as training will call it; the names of its logs, in order.
+
+        An optimizer that builds itself inside the trace makes its variables outside it
+        (keras_compat.optimizers_built_outside). A train_step that draws with random ops no
+        checkpoint can hold is said in the log.
+
+        Raises:
+          GpuparError: the step returns something other than a dict of scalars.
+        """
+        with self.in_call(), keras_compat.optimizers_built_outside(optimizers_of(self.model), self.strategy):
+            concrete = function.get_concrete_function(element_spec)
+        draws = unsaved_draws(concrete.graph) if step_name == "train_step" else []
+        if draws:
+            log.warning(inexact_resume_note(f"{type(self.model).__name__}.{step_name}", draws))
+        return list(concrete.structured_outputs[1])
 
     def train_zeros(self):
         return 0.0, {name: 0.0 for name in self.names}
 
     def train(self, batch, states):
-        return (_rows(batch), _step_logs(self.model, "train_step", batch)), states
+        return self.one_train(batch), states
 
     def eval_zeros(self):
         return 0.0, {name: 0.0 for name in self.eval_names}
 
     def evaluate(self, batch, states):
-        return (_rows(batch), _step_logs(self.model, "test_step", batch)), states
+        return self.one_test(batch), states
 
     def combine(self, totals, values):
         return totals[0] + values[0], values[1]  # the rows add up; the logs are the last step's
-
-    def reductions(self, zeros):
-        return SUM, {name: MEAN for name in zeros[1]}  # as model.fit reduces a step's logs over replicas
 
     def results(self, num_steps, totals, waited, busy) -> Results:
         rows, logs = totals
@@ -176,58 +214,6 @@ class OwnStep(Step):
 
     def after_call(self):
         self.first_step_check.after()
-
-
-def own_step(strategy, model, element_spec, eval_spec=None, jit_compile: bool = False) -> OwnStep:
-    """The OwnStep of a model, its train_step (and test_step, where eval_spec is given) traced once first (probe)."""
-    names = probe(strategy, model, element_spec, "train_step")
-    eval_names = probe(strategy, model, eval_spec, "test_step") if eval_spec is not None else []
-    return OwnStep(model, names, eval_names, jit_compile)
-
-
-def probe(strategy, model, element_spec, step_name="train_step") -> list:
-    """Traces one replica step without running it; returns the names of the logs it returns, in order.
-
-    Tracing makes what the step makes on its first call (each optimizer's variables, beside the
-    variables it updates), so that a checkpoint can be restored into them before training; and it
-    checks what the step returns, before any checkpoint is written. A train_step that draws with
-    random ops no checkpoint can hold is said in the log.
-
-    Raises:
-      GpuparError: the step returns something other than a dict of scalars.
-    """
-    with _built_outside_the_step(optimizers_of(model), strategy):
-        traced = tf.function(lambda batch: strategy.run(lambda share: _step_logs(model, step_name, share), args=(batch,)),
-                             autograph=False).get_concrete_function(element_spec)
-    draws = unsaved_draws(traced.graph) if step_name == "train_step" else []
-    if draws:
-        log.warning(inexact_resume_note(f"{type(model).__name__}.{step_name}", draws))
-    return list(traced.structured_outputs)
-
-
-@contextlib.contextmanager
-def _built_outside_the_step(optimizers, strategy):
-    """While open, an optimizer that builds itself inside the traced step makes its variables outside it.
-
-    A Keras optimizer makes its variables on its first apply_gradients, with the variables it is
-    given; inside a tf.function under MirroredStrategy those cannot be made (their initial values
-    would depend on the function's inputs). So its build runs eagerly, in the strategy's scope,
-    on the same variables, as if it had been built before the step.
-    """
-    patched = [optimizer for optimizer in optimizers if not optimizer.built]
-    for optimizer in patched:
-        def build(variables, build=optimizer.build):
-            def eagerly(*_):
-                with tf.init_scope(), strategy.scope():
-                    build(variables)
-            context = tf.distribute.get_replica_context()
-            context.merge_call(eagerly) if context is not None else eagerly()
-        optimizer.__dict__["build"] = build
-    try:
-        yield
-    finally:
-        for optimizer in patched:
-            del optimizer.__dict__["build"]
 
 
 def optimizers_of(model) -> list:

@@ -20,14 +20,15 @@ from gpupar.training.inner_loop import SUM, Results, steps_in_one_call
 
 
 def keras_logs(model) -> dict:
-    """The model's metrics as Keras' fit logs them (Model.get_metrics_result()), as Python numbers.
+    """The model's metrics as Keras' fit logs them (Model.get_metrics_result()): Python numbers, or NumPy arrays.
 
-    A metric of several values (Precision at several thresholds) gives a list.
+    A metric of several values (F1Score per class, Precision at several thresholds) gives an
+    array, as Keras gives it to the callbacks.
     """
     logs = {}
     for name, value in model.get_metrics_result().items():
         value = np.asarray(value)
-        logs[name] = float(value) if value.ndim == 0 else value.tolist()
+        logs[name] = float(value) if value.ndim == 0 else value
     return logs
 
 
@@ -38,10 +39,15 @@ class Step:
       model: The Keras model the step trains.
       optimizer: The optimizer whose update counter counts the steps (and whose state checkpoints hold).
       jit_compile: Whether each replica's train step is one XLA computation.
+      run_eagerly: Whether the steps run eagerly, not in a tf.function (compile's run_eagerly, for debugging).
+      runs_replicas: Whether train() and evaluate() run every replica themselves (strategy.run), across the
+        replicas; else they are one replica's, and the K-steps call runs them on each.
       state_variables: The Keras variables the steps carry as `states` (gpupar.training.inner_loop).
     """
 
     jit_compile = False
+    run_eagerly = False
+    runs_replicas = False
 
     @property
     def state_variables(self) -> list:
@@ -126,11 +132,13 @@ def train_function(step: Step, strategy, parallel_iterations: int = 1, replica_r
     replica's full batch, where every replica gets as many). parallel_iterations: see
     gpupar.training.inner_loop.timed_loop_iterations.
     """
-    replica_step = compiled_for_full_batches(step.train, replica_rows) if step.jit_compile else step.train
+    replica_step = compiled_for_full_batches(step.train, replica_rows) if (
+        step.jit_compile and not step.runs_replicas) else step.train
     zeros = step.train_zeros()
+    strategy = None if step.runs_replicas else strategy
     return steps_in_one_call(replica_step, zeros, timed=True, strategy=strategy, parallel_iterations=parallel_iterations,
                              combine=step.combine, reductions=step.reductions(zeros),
-                             state_variables=step.state_variables)
+                             state_variables=step.state_variables, eager=step.run_eagerly)
 
 
 def compiled_for_full_batches(train, rows: Optional[int]):
@@ -198,8 +206,13 @@ class Evaluation:
     def __init__(self, step: Step, strategy, iterator, num_steps: int, steps_per_call: int = 1):
         self.step, self.iterator, self.num_steps, self.steps_per_call = step, iterator, num_steps, steps_per_call
         zeros = step.eval_zeros()
-        self.function = steps_in_one_call(step.evaluate, zeros, strategy=strategy, combine=step.combine,
-                                          reductions=step.reductions(zeros), state_variables=step.state_variables)
+        # As Keras' evaluate: compile's jit_compile compiles the test step too.
+        evaluate = tf.function(step.evaluate, jit_compile=True, autograph=False) if step.jit_compile and not (
+            step.run_eagerly or step.runs_replicas) else step.evaluate
+        self.function = steps_in_one_call(evaluate, zeros, strategy=None if step.runs_replicas else strategy,
+                                          combine=step.combine,
+                                          reductions=step.reductions(zeros), state_variables=step.state_variables,
+                                          eager=step.run_eagerly)
 
     def __call__(self, callbacks=None) -> dict:
         """{"val_loss": ..., "val_<metric>": ...} of the whole evaluation set."""
