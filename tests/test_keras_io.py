@@ -43,7 +43,6 @@ MASKED = ("neural_machine_translation_with_transformer",  # output mask (Positio
 # gpupar.fit reduces these losses over every position, padding included (its own loss reduction ignores the
 # loss's mask): its val_loss is Keras' times the real tokens' share. The fix of that makes these strict xfails
 # pass (and fail as XPASS) and this set goes.
-GPUPAR_AVERAGES_OVER_PADDING = set(MASKED)
 # Keras' own last training loss on one device spreads by 0.7% (the translator) and 0.2% (the tagger) over seeds
 # 0-2: gpupar's must be within 5% of it. NER's spreads by 18% (its val_loss is held to evaluate() only).
 TRAINING_LOSS_REL = {"neural_machine_translation_with_transformer": 0.05, "understanding_masking_and_padding": 0.05}
@@ -125,16 +124,7 @@ def _evaluate_on_one_device(name, trained, seen):
 _KERAS_FITS = {}  # name -> the History of Keras' one-device fit of the port in this process
 
 
-def _masked_param(name, runner):
-    marks = []
-    if runner != "keras" and name in GPUPAR_AVERAGES_OVER_PADDING:
-        marks.append(pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-            "gpupar.fit averages a masked loss over the padding too: its val_loss is Keras' evaluate() times the "
-            "real tokens' share (keras-io's translator: 2.16 against 4.01)")))
-    return pytest.param(name, runner, marks=marks, id=f"{name}-{runner}")
-
-
-@pytest.mark.parametrize("name,runner", [_masked_param(n, r) for n in MASKED
+@pytest.mark.parametrize("name,runner", [pytest.param(n, r, id=f"{n}-{r}") for n in MASKED
                                          for r in ("keras", "gpupar-1", "gpupar-2")])
 def test_a_masked_keras_io_example_logs_the_val_loss_keras_evaluate_gives_its_weights(name, runner, tmp_path):
     """The last val_loss (and val metrics) a fit logs are Keras' evaluate() on one device of the weights it trained.

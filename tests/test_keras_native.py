@@ -370,8 +370,17 @@ def test_bad_new_arguments_are_one_line_before_any_step():
 def test_a_compiled_model_and_fits_own_loss_are_refused_together():
     with pytest.raises(GpuparError, match="model_fn returns a model compiled with its own loss, and gpupar.fit got loss="):
         gpupar.fit(_compiled(), *_data(), loss="mse", save=False)
-    with pytest.raises(GpuparError, match="the model is compiled with run_eagerly=True"):
-        gpupar.fit(_compiled(run_eagerly=True), *_data(), save=False)
+
+
+def test_run_eagerly_runs_each_step_eagerly_and_trains_as_the_graph_does():
+    """compile(run_eagerly=True), Keras' debugging mode: one step per call, no tf.function, the same updates."""
+    calls = []
+    counter = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: calls.append(batch))
+    settings = dict(batch_size=32, epochs=1, shuffle=False, save=False, verbose=0)
+    eager = gpupar.fit(_compiled(run_eagerly=True), *_data(), callbacks=[counter], **settings)
+    graph = gpupar.fit(_compiled(), *_data(), **settings)
+    assert eager.model.run_eagerly and calls == list(range(len(calls))) and len(calls) == eager.records[0].steps
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(eager.model.get_weights(), graph.model.get_weights())) < 1e-6
 
 
 # --- callbacks, verbose, many fits ----------------------------------------------------------------------------------
