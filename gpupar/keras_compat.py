@@ -200,7 +200,7 @@ def in_replica(undivided_losses: bool = True):
 
 @contextlib.contextmanager
 def per_replica_semantics():
-    """While open, two Keras functions act per replica inside gpupar's model calls (in_replica), and as Keras' elsewhere.
+    """While open, two Keras functions act per replica inside gpupar's calls (in_replica), and as Keras' elsewhere.
 
     - keras.src.losses.loss.scale_loss_for_distribution (3.0-3.15) divides a Keras Loss's value by
       the strategy's replica count as the Loss reduces it. Inside the model (add_loss of a
@@ -281,6 +281,17 @@ def share_global_seed_generator(generator):
     _SHARED_GENERATOR["generator"] = generator
 
 
+def remake_variable(variable):
+    """Makes a Keras variable's TensorFlow variable again, with its value, under the current scope and device.
+
+    A Keras variable keeps its TensorFlow variable in `_value`, which its own `_initialize` makes
+    from a value with the variable's name, dtype, trainability, aggregation and synchronization
+    (keras/src/backend/tensorflow/core.py, Variable._initialize, 3.0-3.15). Layers hold the Keras
+    variable objects, so they then use the new one.
+    """
+    variable._initialize(tf.identity(variable.value))
+
+
 def move_variables(model, strategy):
     """Makes each of the model's variables again under `strategy`'s scope, with its value: as if built there.
 
@@ -298,7 +309,7 @@ def move_variables(model, strategy):
     seen = set()
     for variable in [*model.variables, *model.metrics_variables]:
         if id(variable) not in seen and variable_strategy(variable) is not strategy:
-            variable._initialize(tf.identity(variable.value))
+            remake_variable(variable)
         seen.add(id(variable))
     for layer in all_layers(model):
         if isinstance(layer, keras.Model):
@@ -336,3 +347,73 @@ def optimizers_built_outside(optimizers, strategy):
 def variable_strategy(variable):
     """The strategy a Keras variable's TensorFlow variable was made under (`_distribute_strategy`), or None."""
     return getattr(getattr(variable, "value", None), "_distribute_strategy", None)
+
+
+# -- TensorFlow's own internals --------------------------------------------------------------------------------------
+
+
+def tf_global_generator():
+    """TensorFlow's global tf.random.Generator if one exists, else None (stateful_random_ops.global_generator).
+
+    Not tf.random.get_global_generator(), which would make one here, outside the strategy's scope,
+    where a step under the strategy could not draw from it (tensorflow/python/ops/stateful_random_ops.py,
+    TF 2.18-2.21).
+    """
+    from tensorflow.python.ops import stateful_random_ops
+
+    return stateful_random_ops.global_generator
+
+
+def gpu_descriptions(config) -> list:
+    """TensorFlow's description of each GPU it makes from `config` (its PCI bus id among them).
+
+    tf.config's public device details give no bus id: this is device_lib.list_local_devices
+    (tensorflow/python/client/device_lib.py, TF 2.18-2.21), given the runtime's own config.
+    """
+    from tensorflow.python.client import device_lib
+
+    return [d.physical_device_desc for d in device_lib.list_local_devices(config) if d.device_type == "GPU"]
+
+
+def runtime_config():
+    """The started runtime's ConfigProto (tensorflow/python/eager/context.py, context().config, TF 2.18-2.21)."""
+    from tensorflow.python.eager import context
+
+    return context.context().config
+
+
+def saved_as_shards(variable):
+    """Makes a Keras variable that holds a tf.distribute ShardedVariable save and restore as the ShardedVariable does.
+
+    TensorFlow saves a ShardedVariable in slices of one tensor (which an unsplit variable
+    restores too) through its _gather_saveables_for_checkpoint; Keras' variable saves its own
+    value as one tensor. The variable's class is swapped, on this object only, for a subclass
+    that hands the checkpoint the ShardedVariable's saveables (Trackable's
+    _gather_saveables_for_checkpoint, TF 2.18-2.21; Keras 3.8-3.15's Variable is a Trackable).
+    """
+    variable.__class__ = _sharded_class(type(variable))
+
+
+def _sharded_class(keras_class):
+    """keras_class, saving as the ShardedVariable it holds."""
+    if getattr(keras_class, "holds_shards", False):
+        return keras_class
+
+    class ShardedKerasVariable(keras_class):
+        holds_shards = True
+
+        def _gather_saveables_for_checkpoint(self):
+            return self.value._gather_saveables_for_checkpoint()
+
+    return ShardedKerasVariable
+
+
+def tensor_spec_of(batches):
+    """The tf.TypeSpec of a generator's or PyDataset's batches, as Keras' own adapters read it from some of them.
+
+    keras/src/trainers/data_adapters/data_adapter_utils.get_tensor_spec (3.0-3.15): the spec of
+    the first batches, the batch dimension and any dimension that differs left unknown.
+    """
+    from keras.src.trainers.data_adapters.data_adapter_utils import get_tensor_spec
+
+    return get_tensor_spec(batches)

@@ -12,6 +12,7 @@ import os
 
 import keras
 
+from gpupar import keras_compat
 from gpupar.errors import GpuparError
 from gpupar.models.layers import RandomAffine, XlaBatchNormalization
 
@@ -26,12 +27,15 @@ def _keras_layer(layer):
 
 
 def keras_only(model):
-    """The model with gpupar's layers swapped for Keras' (the model itself where it cannot be cloned)."""
-    gpupar_layers = [layer for layer in model._flatten_layers() if isinstance(layer, (XlaBatchNormalization,
-                                                                                      RandomAffine))]
-    if not gpupar_layers or not (isinstance(model, keras.Sequential) or getattr(model, "_is_graph_network", False)):
+    """The model with gpupar's layers swapped for Keras' (the model itself where Keras cannot clone it so)."""
+    gpupar_layers = [layer for layer in keras_compat.all_layers(model)
+                     if isinstance(layer, (XlaBatchNormalization, RandomAffine))]
+    if not gpupar_layers:
         return model
-    clone = keras.models.clone_model(model, clone_function=_keras_layer)
+    try:
+        clone = keras.models.clone_model(model, clone_function=_keras_layer)
+    except ValueError:  # Keras clones layer by layer only a Sequential or functional model
+        return model
     for old, new in zip(model.layers, clone.layers):
         if not isinstance(old, RandomAffine):  # its seed state has no place at inference
             new.set_weights(old.get_weights())

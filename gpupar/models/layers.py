@@ -83,7 +83,8 @@ class XlaBatchNormalization(keras.layers.BatchNormalization):
     use_xla = True
 
     def call(self, inputs, training=None, mask=None):
-        plain = self.scale and self.center and not (self.synchronized or self.renorm) and mask is None
+        renorm = getattr(self, "renorm", False)  # an attribute Keras 3.15 has and 3.12 has not
+        plain = self.scale and self.center and not (self.synchronized or renorm) and mask is None
         if not (self.use_xla and training and self.trainable and plain and self.axis in (-1, len(inputs.shape) - 1)):
             return super().call(inputs, training=training, mask=mask)
         outputs, mean, variance = _normalise_batch(

@@ -7,6 +7,7 @@ is the same whatever the split: a split model's checkpoint restores into an unsp
 
 import tensorflow as tf
 
+from gpupar import keras_compat
 from gpupar.errors import GpuparError
 from gpupar.runtime.stages import stage_of_layers
 
@@ -67,13 +68,10 @@ def build_on_stages(build, ends, devices):
 
 
 def _move(variable, device: str):
-    """Puts a Keras variable's value in a new tf.Variable on `device`, with its name, value and aggregation.
+    """Makes a Keras variable again on `device`, with its name, value and aggregation (keras_compat.remake_variable).
 
     Keras makes a layer's variables when model_fn builds it, before anyone can say where they
-    go; Keras' TensorFlow variable keeps its tf.Variable in `_value`, which its own
-    `_initialize` replaces (keras/src/backend/tensorflow/core.py; tests/test_model_parallel.py
-    checks that the variables land on their stage's device with this Keras).
+    go (tests/test_model_parallel.py checks that they land on their stage's device).
     """
-    value = tf.identity(variable.value)
     with tf.device(device):
-        variable._initialize(value)
+        keras_compat.remake_variable(variable)

@@ -123,13 +123,12 @@ def tf_bus_ids() -> List[Optional[str]]:
     fail on them ("being mapped to multiple devices").
     """
     import tensorflow as tf
-    from tensorflow.python.client import device_lib
-    from tensorflow.python.eager import context
+
+    from gpupar import keras_compat
 
     tf.config.list_logical_devices("GPU")  # starts the runtime with the configured settings
     found = []
-    for device in device_lib.list_local_devices(context.context().config):
-        if device.device_type == "GPU":
-            match = re.search(r"pci bus id: ([0-9a-fA-F:.]+)", device.physical_device_desc)
-            found.append(match.group(1) if match else None)
+    for description in keras_compat.gpu_descriptions(keras_compat.runtime_config()):
+        match = re.search(r"pci bus id: ([0-9a-fA-F:.]+)", description)
+        found.append(match.group(1) if match else None)
     return found

@@ -8,8 +8,8 @@ from typing import Mapping, Optional
 
 import keras
 import tensorflow as tf
-from tensorflow.python.ops import stateful_random_ops
 
+from gpupar import keras_compat
 from gpupar.errors import GpuparError
 
 log = logging.getLogger("gpupar")
@@ -278,12 +278,8 @@ def _per_replica(variable) -> bool:
 
 
 def _global_generator():
-    """TensorFlow's global generator if one exists, else None.
-
-    Not tf.random.get_global_generator(), which would make one here, outside the strategy's scope,
-    where a step under the strategy could not draw from it.
-    """
-    return stateful_random_ops.global_generator
+    """TensorFlow's global generator if one exists, else None (keras_compat.tf_global_generator)."""
+    return keras_compat.tf_global_generator()
 
 
 def random_state(model) -> list:

@@ -155,7 +155,7 @@ def _jit_resolved(step_options, model, refusal):
     """The step options with jit_compile off where the mode's placement or a layer of the model cannot take XLA."""
     if not step_options.jit_compile:
         return step_options
-    unsupported = [layer.name for layer in model._flatten_layers() if not getattr(layer, "supports_jit", True)]
+    unsupported = [layer.name for layer in keras_compat.all_layers(model) if not getattr(layer, "supports_jit", True)]
     if unsupported and not refusal:
         refusal = (f"jit_compile: layer {unsupported[0]} cannot be compiled by XLA (as Keras' own fit decides from "
                    "Layer.supports_jit), so the step runs without XLA")

@@ -15,8 +15,8 @@ import re
 import numpy as np
 import tensorflow as tf
 # Keras' own tensor spec of several batches (the one its fit uses): differing dimensions open.
-from keras.src.trainers.data_adapters.data_adapter_utils import get_tensor_spec
 
+from gpupar import keras_compat
 from gpupar.data import array_pipeline
 from gpupar.data.adapters.adapter import DataAdapter
 from gpupar.data.adapters.arrays import class_weights
@@ -115,7 +115,7 @@ class PythonBatches(DataAdapter):
         finally:
             stream.close()  # its workers stop
         try:
-            self.spec = get_tensor_spec(self.first)
+            self.spec = keras_compat.tensor_spec_of(self.first)
         except (ValueError, TypeError) as e:
             raise GpuparError(f"{self.role} ({self.form}): its first batches do not agree in structure or rank "
                               f"({str(e).splitlines()[0][:160]}); give batches of consistent shapes") from None

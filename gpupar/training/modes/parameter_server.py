@@ -25,6 +25,7 @@ import re
 import keras
 import tensorflow as tf
 
+from gpupar import keras_compat
 from gpupar.errors import GpuparError
 from gpupar.runtime.cluster import Cluster
 from gpupar.runtime.devices import configure_devices
@@ -110,12 +111,12 @@ def update_variables(model):
         with tf.variable_creator_scope(lambda _next, shard_iter=iter(shards), **_: next(shard_iter)):
             updated += [keras.Variable(initializer="zeros", shape=s.shape, dtype=s.dtype, name=f"{variable.name}_shard{i}")
                         for i, s in enumerate(shards)]
-        variable.__class__ = _sharded_class(type(variable))
+        keras_compat.saved_as_shards(variable)
         split.append(f"{variable.path} {tuple(variable.shape)} in {len(shards)} shards, on "
                      f"{', '.join(_task(s.device) for s in shards)}")
     for model_variable in model.non_trainable_variables:
         if getattr(model_variable.value, "variables", None) is not None:
-            model_variable.__class__ = _sharded_class(type(model_variable))
+            keras_compat.saved_as_shards(model_variable)
     return updated, split
 
 
@@ -123,20 +124,6 @@ def _task(device: str) -> str:
     """'/job:ps/replica:0/task:1/device:CPU:0' -> 'ps:1'."""
     match = re.search(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)", device)
     return f"{match[1]}:{match[2]}" if match else device
-
-
-def _sharded_class(keras_class):
-    """keras_class, saving as the ShardedVariable it holds (TensorFlow then saves each shard as a slice)."""
-    if getattr(keras_class, "holds_shards", False):
-        return keras_class
-
-    class ShardedKerasVariable(keras_class):
-        holds_shards = True
-
-        def _gather_saveables_for_checkpoint(self):
-            return self.value._gather_saveables_for_checkpoint()
-
-    return ShardedKerasVariable
 
 
 def worker_function(step, strategy):
