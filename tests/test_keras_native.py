@@ -299,10 +299,16 @@ def test_lists_a_batched_dataset_and_ragged_inputs_train():
     tokens = tf.ragged.constant([[1, 2, 3], [4], [5, 6]] * 32)
     labels = np.array([0, 1, 0] * 32, "int32")
 
+    class Pooled(keras.Model):  # subclassed: keras.Input(ragged=True) is Keras 3.10's and later
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, tokens):
+            return self.dense(tf.reduce_mean(tf.cast(tokens, tf.float32), axis=1, keepdims=True))
+
     def ragged_model():
-        inputs = keras.Input((None,), ragged=True, dtype="int32")
-        pooled = keras.layers.Lambda(lambda r: tf.reduce_mean(tf.cast(r, tf.float32), axis=1, keepdims=True))(inputs)
-        model = keras.Model(inputs, keras.layers.Dense(2)(pooled))
+        model = Pooled()
         model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
 

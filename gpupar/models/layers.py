@@ -17,19 +17,23 @@ def replica_consistent_state():
     own diverging copy, and CentralStorageStrategy refuses to update them at all. Float ones
     (batch-norm moving statistics) average across replicas; others (counters that advance alike on
     every replica, such as the state of Keras' SeedGenerators) take the first replica's value.
+    A metric's variables (aggregation sum) keep a value per replica, summed when read, as Keras
+    3.10 and later make them: Keras 3.8 makes them summed on write, and since Keras adds to a
+    variable by assigning its sum, every replica's add then added the old value again.
     """
 
     def creator(next_creator, **kwargs):
         dtype = kwargs.get("dtype")
-        if (
-            not kwargs.get("trainable", True)
-            and dtype is not None
-            and kwargs.get("aggregation") in (None, tf.VariableAggregation.NONE)
-        ):
-            floating = tf.as_dtype(dtype).is_floating
-            kwargs["aggregation"] = (
-                tf.VariableAggregation.MEAN if floating else tf.VariableAggregation.ONLY_FIRST_REPLICA
-            )
+        aggregation = kwargs.get("aggregation")
+        if not kwargs.get("trainable", True) and dtype is not None:
+            if aggregation in (None, tf.VariableAggregation.NONE):
+                floating = tf.as_dtype(dtype).is_floating
+                kwargs["aggregation"] = (
+                    tf.VariableAggregation.MEAN if floating else tf.VariableAggregation.ONLY_FIRST_REPLICA
+                )
+            elif aggregation == tf.VariableAggregation.SUM and kwargs.get("synchronization") in (
+                    None, tf.VariableSynchronization.AUTO):
+                kwargs["synchronization"] = tf.VariableSynchronization.ON_READ
         return next_creator(**kwargs)
 
     with tf.variable_creator_scope(creator):

@@ -136,7 +136,8 @@ def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_it
     def replica_step(carried, batch):
         totals, states = carried
         values, states = batch_step(batch, states)
-        return combine(totals, values), list(states)
+        # A metric's update may lose its state's static shape (Keras 3.10's F1Score): the loop keeps it.
+        return combine(totals, values), [tf.reshape(s, v.shape) for s, v in zip(states, state_variables)]
 
     def step(carried, batch):
         if strategy is None:

@@ -129,7 +129,8 @@ def model_and_optimizer(step, task, mode, placement, train):
             else:  # a fresh one: from model_fn's compile, fit's arguments, or a moved model's compile
                 inner = _optimizer(compiled.optimizer, step.learning_rate, used=task.model is not None)
                 applied = _loss_scaled(inner, step)
-            _compiled_for_the_run(model, compiled, applied, recompiled=moved)
+            with replica_consistent_state():  # the compiled metrics' variables
+                _compiled_for_the_run(model, compiled, applied, recompiled=moved)
             sample = train.sample()
             if not compiled.own_step:
                 _check_labels_given(compiled, sample)
@@ -205,7 +206,7 @@ def _fresh(metrics):
     if isinstance(metrics, dict):
         return {key: _fresh(value) for key, value in metrics.items()}
     if isinstance(metrics, (list, tuple)):
-        return type(metrics)(_fresh(value) for value in metrics)
+        return [_fresh(value) for value in metrics]  # a list, as compile asks (Keras 3.10 refuses a tuple)
     return metrics
 
 
