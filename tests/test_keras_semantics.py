@@ -321,3 +321,68 @@ def test_a_zip_of_batched_datasets_is_batched_as_keras_takes_it():
     model.compile(optimizer=keras.optimizers.SGD(0.1))
     result = gpupar.fit(model, tf.data.Dataset.zip((unlabeled, labeled)), epochs=1, verbose=0, save=False)
     assert result.records[0].steps == 4 and result.history["rows"] == [8.0]
+
+
+class Trainer(keras.Model):
+    """The Trainer pattern of keras-io's recipes: one model class whose own train_step and test_step train another.
+
+    Written after keras-io's examples/keras_recipes/trainer_pattern.py (Keras 3 version): the
+    trainer holds the model, its own Keras loss object and metric, and lists the metric itself.
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        self.accuracy = keras.metrics.SparseCategoricalAccuracy()
+
+    @property
+    def metrics(self):
+        return [self.accuracy]
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.loss_fn(y, self.model(x, training=True))
+        variables = self.trainable_variables
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        self.accuracy.update_state(y, self.model(x, training=False))
+        return {m.name: m.result() for m in self.metrics}
+
+    def test_step(self, data):
+        x, y = data
+        self.accuracy.update_state(y, self.model(x, training=False))
+        return {m.name: m.result() for m in self.metrics}
+
+    def call(self, x):
+        return self.model(x)
+
+
+def _trainers():
+    """Two Trainers, as the recipe has them: of a Sequential model, and of a functional one."""
+    sequential = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+    inputs = keras.Input((6,))
+    functional = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Dense(4, activation="relu")(inputs)))
+    trainers = [Trainer(sequential), Trainer(functional)]
+    for trainer in trainers:
+        trainer.compile(optimizer=keras.optimizers.SGD(0.1))
+    return trainers
+
+
+def test_the_trainer_pattern_ports_by_two_renames_and_updates_as_keras_on_one_device():
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(128, 6)).astype("float32"), rng.integers(0, 3, size=(128,))
+    keras.utils.set_random_seed(3)
+    expected = _trainers()
+    for trainer in expected:
+        trainer.fit(x, y, batch_size=32, epochs=2, shuffle=False, validation_data=(x[:64], y[:64]), verbose=0)
+    strategy = gpupar.strategy("mirrored", virtual_cpus=2)  # was: tf.distribute.MirroredStrategy()
+    keras.utils.set_random_seed(3)
+    with strategy.scope():
+        trainers = _trainers()
+    for trainer, keras_trainer in zip(trainers, expected):
+        result = gpupar.fit(trainer, x, y, batch_size=32, epochs=2, shuffle=False,  # was: trainer.fit(x, y, ...)
+                            validation_data=(x[:64], y[:64]), verbose=0, save=False)
+        assert result.replicas == 2 and int(trainer.optimizer.iterations.numpy()) == 8
+        assert _largest_difference(trainer, keras_trainer) < ATOL  # a Keras loss object's mean, as on one device
+        assert set(result.history) == {"sparse_categorical_accuracy", "val_sparse_categorical_accuracy"}
