@@ -386,3 +386,28 @@ def test_the_trainer_pattern_ports_by_two_renames_and_updates_as_keras_on_one_de
         assert result.replicas == 2 and int(trainer.optimizer.iterations.numpy()) == 8
         assert _largest_difference(trainer, keras_trainer) < ATOL  # a Keras loss object's mean, as on one device
         assert set(result.history) == {"sparse_categorical_accuracy", "val_sparse_categorical_accuracy"}
+
+
+def test_a_generator_as_validation_data_with_validation_steps_reads_it_as_keras():
+    """Each evaluation reads validation_steps batches as Keras' generator adapter gives them: the two it read first
+    (for the spec) again each time, then the next ones of the stream. Here the labels are 0 in batches 0 and 1, and
+    the batch's number after; the model predicts 0."""
+    def labels_by_batch():
+        for number in range(100):
+            yield np.ones((8, 2), "float32"), np.full((8, 1), float(number if number >= 2 else 0), "float32")
+
+    def frozen():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, kernel_initializer="zeros")])
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")  # predicts 0 for ever
+        return model
+
+    x, y = np.ones((16, 2), "float32"), np.zeros((16, 1), "float32")
+    expected = frozen().fit(x, y, batch_size=8, epochs=2, validation_data=labels_by_batch(), validation_steps=3,
+                            verbose=0).history["val_loss"]
+    result = gpupar.fit(frozen(), x, y, batch_size=8, epochs=2, validation_data=labels_by_batch(), validation_steps=3,
+                        verbose=0, save=False)
+    # Keras' first evaluation reads batches 0, 1 and 2; its later ones depend on how far its prefetching read
+    # the stream ahead (batch 3, 5 or 7 in runs here); gpupar's read each next one: batch 3.
+    assert expected[0] == pytest.approx(4 / 3) and result.history["val_loss"] == pytest.approx([4 / 3, 9 / 3])
+    with pytest.raises(gpupar.GpuparError, match="give validation_steps"):
+        gpupar.fit(frozen(), x, y, batch_size=8, validation_data=labels_by_batch(), verbose=0, save=False)

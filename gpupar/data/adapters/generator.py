@@ -3,6 +3,9 @@
 import inspect
 import itertools
 
+import tensorflow as tf
+
+from gpupar.data import array_pipeline
 from gpupar.data.adapters.python_batches import InputError, PythonBatches
 from gpupar.errors import GpuparError
 
@@ -13,7 +16,8 @@ class GeneratorAdapter(PythonBatches):
     """Batches (x,), (x, y) or (x, y, sample_weight) from a generator.
 
     A generator object is one stream, as model.fit reads it: its length is unknown until it ends,
-    so steps_per_epoch must say how many batches make an epoch; a resumed run reads the batches
+    so steps_per_epoch must say how many batches make an epoch (validation_steps how many each
+    evaluation reads, as validation_data); a resumed run reads the batches
     already trained again from the start and skips them. A generator *function* (no arguments) is
     called once per pass, so it can train many epochs; a pass's length is counted once before
     training; a resumed run calls it and skips the batches already
@@ -35,9 +39,10 @@ class GeneratorAdapter(PythonBatches):
         return inspect.isgenerator(data) or inspect.isgeneratorfunction(data)
 
     def prepare(self, input_options, seed: int):
-        if not self.function and self.role != "x":
-            raise GpuparError(f"{self.role} is a generator, which can be read only once, and the evaluation reads it "
-                              "after every epoch: give a generator function, a PyDataset or arrays")
+        if not self.function and self.role != "x" and input_options.validation_steps is None:
+            raise GpuparError(f"{self.role} is a generator, one stream of unknown length, and the evaluation after "
+                              "every epoch reads a set: give validation_steps (each evaluation then reads that many "
+                              "more of its batches, as model.fit does), or a generator function, a PyDataset or arrays")
         super().prepare(input_options, seed)
         if self.function:
             self.batches_per_pass = self._counted()
@@ -58,6 +63,28 @@ class GeneratorAdapter(PythonBatches):
             return self.data()
         except TypeError as e:
             raise GpuparError(f"{self.role}: the generator function cannot be called without arguments ({e})") from None
+
+    def evaluation(self, global_batch: int, max_steps=None):
+        """(the evaluation batches, batches in one evaluation); a generator's as Keras' fit reads it.
+
+        A generator function's evaluation is one pass (or its first max_steps batches) each time.
+        A generator's, validation_steps batches each time, as Keras' generator adapter gives
+        them: the first batches it read for the spec, again every time, then the next ones of the
+        stream (keras/src/trainers/data_adapters/generator_data_adapter.py).
+        """
+        if self.function:
+            return super().evaluation(global_batch, max_steps)
+        first = self.first[:max_steps]
+
+        def each_evaluation():
+            rest = self._read(self.data, len(self.first))
+            while True:
+                yield from first
+                for number, batch in enumerate(itertools.islice(rest, max_steps - len(first)), start=len(first)):
+                    yield self._checked(batch, number)
+
+        dataset = tf.data.Dataset.from_generator(each_evaluation, output_signature=self.spec).prefetch(2)
+        return dataset.with_options(array_pipeline.no_autotune()), max_steps
 
     def stream(self, first_step: int):
         if not self.function:  # the batches read for the spec, then the rest of the one stream
