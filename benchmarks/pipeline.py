@@ -30,6 +30,7 @@ from absl import flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from benchmarks import script  # noqa: E402
+from gpupar import keras_compat  # noqa: E402
 from gpupar.config import Config  # noqa: E402
 from gpupar.data import array_pipeline as pipeline, mnist_images as mnist  # noqa: E402
 from gpupar.errors import GpuparError  # noqa: E402
@@ -37,7 +38,6 @@ from gpupar.models import convnet, lstm  # noqa: E402
 from gpupar.models.staged import build_on_stages, chain_layers  # noqa: E402
 from gpupar.runtime.devices import configure_devices  # noqa: E402
 from gpupar.runtime.stages import StagePlan, plan_stages, stage_of_layers  # noqa: E402
-from gpupar.training.objective import Objective  # noqa: E402
 from gpupar.presets.mnist import LOSS, METRICS  # noqa: E402
 from gpupar.training.steps.pipelined import PipelineStep  # noqa: E402
 from gpupar.training.steps.step import train_function  # noqa: E402
@@ -70,15 +70,19 @@ def models(lstm_units):
 
 
 def pipelined(build, ends, plan, microbatches, sample):
-    """The train function of the model build() makes, split at `ends` over plan, with its Adam optimizer."""
+    """(the PipelineStep, its train function) of the model build() makes, split at `ends` over plan, with Adam.
+
+    Its calls run inside step.in_call(), as the loop runs them.
+    """
     keras.utils.set_random_seed(SEED)
     model = build_on_stages(build, ends, plan.variable_devices)
     stage_of = stage_of_layers([layer.name for layer in chain_layers(model)], ends)
     optimizer = keras.optimizers.Adam(1e-3)
+    model.compile(optimizer=optimizer, loss=LOSS, metrics=METRICS)
+    keras_compat.symbolic_build(model, sample)  # the compiled loss and metrics, as gpupar's set-up builds them
     optimizer.build(model.trainable_variables)
-    images, labels = sample
-    objective = Objective(LOSS, METRICS, labels, model(images).numpy())
-    return train_function(PipelineStep(model, stage_of, plan, objective, optimizer, microbatches), None)
+    step = PipelineStep(model, stage_of, plan, optimizer, microbatches)
+    return step, train_function(step, None)
 
 
 def ideal_speedup(stages: int, microbatches: int) -> float:
@@ -96,11 +100,12 @@ def configurations(splits, batch_size, lstm_units, names=MODELS):
         for placement, plan in (("1 device", StagePlan(((devices[0],) * stages,))),
                                 (f"{stages} devices", plan_stages(devices[:stages], stages))):
             for microbatches in MICROBATCHES:
-                train = pipelined(build, ends, plan, microbatches, _sample(splits))
+                step, train = pipelined(build, ends, plan, microbatches, _sample(splits))
                 iterator = iter(dataset)
 
-                def run(steps, train=train, iterator=iterator):
-                    float(train(iterator, tf.constant(steps))[0][0])  # waits for the step to finish
+                def run(steps, step=step, train=train, iterator=iterator):
+                    with step.in_call():  # as the loop calls it: the compiled loss over the whole batch
+                        float(train(iterator, tf.constant(steps))[0][0])  # waits for the step to finish
 
                 run(1)  # tracing
                 rows.append({"model": name, "stages": stages, "placement": placement,
@@ -110,7 +115,7 @@ def configurations(splits, batch_size, lstm_units, names=MODELS):
 
 
 def _sample(splits):
-    """Two normalised training images and their labels, to build the objective on."""
+    """Two normalised training images and their labels, to build the model's compiled loss and metrics on."""
     return mnist.normalise(splits.train_images[:2], splits.train_labels[:2])
 
 
@@ -161,14 +166,15 @@ def schedule_probe(splits, batch_size, seconds=0.2, repeats=3):
 
     for placement, plan in (("1 device", StagePlan(((devices[0],) * 3,))), ("3 devices", plan_stages(devices, 3))):
         for microbatches in MICROBATCHES:
-            train = pipelined(build, (2, 5), plan, microbatches, _sample(splits))
+            step, train = pipelined(build, (2, 5), plan, microbatches, _sample(splits))
             iterator = iter(dataset)
-            float(train(iterator, tf.constant(1))[0][0])  # tracing
-            times = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                float(train(iterator, tf.constant(1))[0][0])
-                times.append(time.perf_counter() - started)
+            with step.in_call():
+                float(train(iterator, tf.constant(1))[0][0])  # tracing
+                times = []
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    float(train(iterator, tf.constant(1))[0][0])
+                    times.append(time.perf_counter() - started)
             rows.append({"placement": placement, "microbatches": microbatches, "stage_seconds": seconds,
                          "step_seconds": statistics.median(times), "one_after_another": 3 * seconds,
                          "gpipe_overlap": (microbatches + 2) / microbatches * seconds,
