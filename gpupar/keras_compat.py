@@ -295,16 +295,12 @@ def remake_variable(variable):
 def move_variables(model, strategy):
     """Makes each of the model's variables again under `strategy`'s scope, with its value: as if built there.
 
-    The model then belongs to the strategy as one made in its scope does (TensorFlowTrainer's
-    `_distribute_strategy`, see strategy_of).
-
-    A Keras variable keeps its TensorFlow variable in `_value`, which its own `_initialize` makes
-    from a value with the variable's name, dtype, trainability, aggregation and synchronization
-    (keras/src/backend/tensorflow/core.py, Variable._initialize, 3.0-3.15); the model's layers
-    keep the Keras variable objects, so the same model object then trains under the strategy.
-    Its traced functions of an earlier Keras fit, made on the old variables, are dropped
-    (TensorFlowTrainer.train_function, test_function, predict_function: Keras makes them again).
-    Call it in the strategy's scope.
+    Each variable is made again in the scope (remake_variable), so the same model object then
+    trains under the strategy, and belongs to it as one made in its scope does
+    (TensorFlowTrainer's `_distribute_strategy`, see strategy_of, 3.0-3.15). Its traced
+    functions of an earlier Keras fit, made on the old variables, are dropped (TensorFlowTrainer's
+    train_function, test_function, predict_function: Keras makes them again). Call it in the
+    strategy's scope.
     """
     seen = set()
     for variable in [*model.variables, *model.metrics_variables]:
