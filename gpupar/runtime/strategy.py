@@ -343,11 +343,6 @@ def shared_strategy(plan: Plan, ps_shards: Optional[int] = None):
     return _SHARED[key]
 
 
-def is_shared(strategy) -> bool:
-    """Whether gpupar made `strategy` (shared_strategy), rather than the script itself."""
-    return any(strategy is made for made in _SHARED.values())
-
-
 def _build_cluster_strategy(tf, plan: Plan, ps_shards: Optional[int] = None):
     """MultiWorkerMirroredStrategy or ParameterServerStrategy on the plan's cluster, checked.
 

@@ -20,27 +20,16 @@ from gpupar.training.steps.parts import (accumulated, agreed_overflow, compiled_
 from gpupar.training.steps.step import Step
 
 
-class CompiledStep(Step):
-    """The compiled model's step: forward, loss, gradients (over micro-batches), update, metrics.
+class KerasCompiledStep(Step):
+    """What every step of a compiled model shares: Keras' compiled loss over the global batch, its metrics carried.
 
     train() returns (the step's loss times its global batch's rows, this replica's rows), summed
     over steps and replicas: what the loop checks for a non-finite loss and counts as examples.
     evaluate() returns this replica's rows. Both carry the compiled metrics' values as `states`.
-
-    Attributes:
-      variables: What the optimizer updates: the model's trainable variables, or their shards.
-      accumulate_steps: Micro-batches whose gradients one update adds up.
-      skip_nonfinite: nan_policy=skip: a step with a non-finite loss or gradient changes nothing.
-      update_optimizer: What applies the updates: the optimizer, or a loss-scale optimizer around it.
     """
 
-    def __init__(self, model, optimizer, update_optimizer=None, variables=None, accumulate_steps: int = 1,
-                 skip_nonfinite: bool = False, jit_compile: bool = False):
+    def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
-        self.update_optimizer = update_optimizer or optimizer
-        self.variables = model.trainable_variables if variables is None else variables
-        self.accumulate_steps, self.skip_nonfinite, self.jit_compile = accumulate_steps, skip_nonfinite, jit_compile
-        self.loss_scale = loss_scale_of(self.update_optimizer)
         self.metrics = compiled_metrics_variables(model)
 
     @property
@@ -55,6 +44,32 @@ class CompiledStep(Step):
 
     def train_zeros(self):
         return 0.0, 0.0
+
+    def eval_zeros(self):
+        return 0.0
+
+    def results(self, num_steps, totals, waited, busy) -> Results:
+        loss, examples = totals
+        return Results(num_steps, float(loss), float(examples), waited, busy)
+
+
+class CompiledStep(KerasCompiledStep):
+    """The compiled model's step: forward, loss, gradients (over micro-batches), update, metrics.
+
+    Attributes:
+      variables: What the optimizer updates: the model's trainable variables, or their shards.
+      accumulate_steps: Micro-batches whose gradients one update adds up.
+      skip_nonfinite: nan_policy=skip: a step with a non-finite loss or gradient changes nothing.
+      update_optimizer: What applies the updates: the optimizer, or a loss-scale optimizer around it.
+    """
+
+    def __init__(self, model, optimizer, update_optimizer=None, variables=None, accumulate_steps: int = 1,
+                 skip_nonfinite: bool = False, jit_compile: bool = False):
+        super().__init__(model, optimizer)
+        self.update_optimizer = update_optimizer or optimizer
+        self.variables = model.trainable_variables if variables is None else variables
+        self.accumulate_steps, self.skip_nonfinite, self.jit_compile = accumulate_steps, skip_nonfinite, jit_compile
+        self.loss_scale = loss_scale_of(self.update_optimizer)
 
     def train(self, batch, states):
         """One replica's step. The all-reduce of the gradients happens in the optimizer's apply (Keras 3 sums the
@@ -80,9 +95,6 @@ class CompiledStep(Step):
         return loss_and_gradients(self.model, self.variables, x, y, sample_weight, self.metrics, states,
                                   self.loss_scale, added_share)
 
-    def eval_zeros(self):
-        return 0.0
-
     def evaluate(self, batch, states):
         """One replica's evaluation of its share: Keras' test_step, its loss over the global batch."""
         x, y, sample_weight = unpack(batch)
@@ -96,10 +108,6 @@ class CompiledStep(Step):
 
         _, states = updated_metrics(self.metrics, states, test_step)
         return rows, states
-
-    def results(self, num_steps, totals, waited, busy) -> Results:
-        loss, examples = totals
-        return Results(num_steps, float(loss), float(examples), waited, busy)
 
     def after_call(self):
         if self.skip_nonfinite:

@@ -9,17 +9,15 @@ TensorFlow's executor starts each op as soon as its inputs are ready: stage k's 
 micro-batch i+1 does not depend on stage k+1's work on micro-batch i, and the two can overlap.
 """
 
-import contextlib
-
 import tensorflow as tf
 
 from gpupar.models.staged import chain_layers
 from gpupar.runtime.stages import StagePlan
 from gpupar.runtime.strategy import short_name
-from gpupar.training.inner_loop import Results, unpack
-from gpupar.training.loss import global_batch_losses, len_rows, micro_batch, replica_loss, track_loss
-from gpupar.training.steps.parts import compiled_metrics_variables, updated_metrics
-from gpupar.training.steps.step import Step
+from gpupar.training.inner_loop import unpack
+from gpupar.training.loss import len_rows, micro_batch, replica_loss, track_loss
+from gpupar.training.steps.compiled import KerasCompiledStep
+from gpupar.training.steps.parts import updated_metrics
 
 ZERO = tf.UnconnectedGradients.ZERO
 
@@ -35,7 +33,7 @@ def pieces(x, n):
     return [x[bounds[i]:bounds[i + 1]] for i in range(n)]
 
 
-class PipelineStep(Step):
+class PipelineStep(KerasCompiledStep):
     """A chain model's stages on a StagePlan's devices, each global batch pipelined as micro-batches.
 
     Micro-batch i of replica r is piece r * microbatches + i of the batch; its stage k runs on
@@ -47,8 +45,7 @@ class PipelineStep(Step):
     """
 
     def __init__(self, model, stage_of, plan: StagePlan, optimizer, microbatches: int = 1):
-        self.model, self.optimizer = model, optimizer
-        self.metrics = compiled_metrics_variables(model)
+        super().__init__(model, optimizer)
         layers = chain_layers(model)
         self.plan, self.microbatches = plan, microbatches
         self.stages = [[layer for layer, s in zip(layers, stage_of) if s == k] for k in range(plan.num_stages)]
@@ -165,19 +162,6 @@ class PipelineStep(Step):
                 total = [g if d is None else g + d for g, d in zip(total, reg_grads)]
         return total, reg
 
-    @property
-    def state_variables(self) -> list:
-        return self.metrics
-
-    @contextlib.contextmanager
-    def in_call(self):
-        """The compiled losses reduced over the whole batch."""
-        with super().in_call(), global_batch_losses(self.model):
-            yield
-
-    def train_zeros(self):
-        return 0.0, 0.0
-
     def train(self, batch, states):
         """One pipelined step: every micro-batch forward and backward, then one update of every stage's variables.
 
@@ -188,9 +172,6 @@ class PipelineStep(Step):
         rows = tf.cast(len_rows(unpack(batch)[0]), tf.float32)
         _, states = updated_metrics(self.metrics, states, lambda: track_loss(self.model, loss, rows))
         return (loss * rows, rows), states
-
-    def eval_zeros(self):
-        return 0.0
 
     def evaluate(self, batch, states):
         """Keras' test step for one batch, pipelined: the loss over the whole batch, the metrics updated."""
@@ -209,7 +190,3 @@ class PipelineStep(Step):
         rows = tf.cast(rows, tf.float32)
         _, states = updated_metrics(self.metrics, states, lambda: track_loss(self.model, tf.add_n(shares + added), rows))
         return rows, states
-
-    def results(self, num_steps, totals, waited, busy) -> Results:
-        loss, examples = totals
-        return Results(num_steps, float(loss), float(examples), waited, busy)
