@@ -14,6 +14,7 @@ gpupar.fit that applies no update where Keras' fit did (in the same call of the 
 the test, even if its assertions pass. Deliberate differences are differences.py's, strict xfails.
 
     make keras-own              the three runs (pytest -n 2), and a summary of the counts
+    make test                   the two gpupar.fit runs (the control is keras_passes.txt's, pinned Keras)
     make keras-own-baseline     runs every test on Keras alone and rewrites keras_passes.txt
 
 What the harness itself adds, for Keras and gpupar alike: the session's 4 virtual CPUs and its
