@@ -83,26 +83,64 @@ def test_the_walk_finds_a_circle_when_there_is_one():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
 
 
-# Every package's modules, lowest first: a module may import from its own rank and those below it,
-# never from above; a package's own __init__ ranks above all of its modules (it may gather them).
-ORDER = {
-    "gpupar": ["versions", "errors", "keras_compat", "config", "runtime", "data", "models", "monitor", "training",
-               "presets", "commands", "__init__", "cli", "__main__"],
-    "gpupar.runtime": ["startup", "teardown", "nvml", "network", "cluster", "precision", "devices", "strategy", "stages",
-                       "launch"],
-    "gpupar.data": ["idx", "tfds", "augment", "array_pipeline", "mnist_images", "adapters"],
-    "gpupar.data.adapters": ["adapter", "arrays", "python_batches", "dataset", "dataset_fn", "generator", "py_dataset",
-                             "tfds_name"],
-    "gpupar.models": ["layers", "convnet", "lstm", "staged", "export"],
-    "gpupar.monitor": ["bottleneck", "profiling", "utilisation"],
-    # The records and helpers first; then steps <- trainer <- modes <- setup <- loop <- run.
-    "gpupar.training": ["task", "result", "interrupt", "checkpoint", "outputs", "loss", "inner_loop", "steps",
-                        "trainer", "modes", "process", "model_setup", "setup", "multi_worker", "observers", "loop", "run"],
-    "gpupar.training.steps": ["step", "parts", "compiled", "own", "pipelined"],
-    "gpupar.training.modes": ["mode", "synchronous", "model_parallel", "parameter_server"],
-    "gpupar.presets": ["mnist_options", "mnist"],
-    "gpupar.commands": ["device_report", "device_check", "plot", "diagnose"],
-}
+LAYOUT_DOC = os.path.join(ROOT, "docs", "how-it-works.md")
+
+
+def documented_order(text):
+    """{package: its modules and subpackages, lowest first} from the layout list of docs/how-it-works.md.
+
+    The list's first code block starting `gpupar/`: a name per line, two spaces of indent per level, a folder's
+    name ending in "/"; the deeper-indented lines under a module's line continue its description. A module may
+    import from its own rank and those below it (listed above it), never from above; a package's own __init__
+    ranks above all of its modules (it may gather them).
+    """
+    block = text[text.index("```\ngpupar/\n") + 4:]
+    block = block[:block.index("```")]
+    order, parents = {}, []  # parents: (indent, package) of the open folders
+    previous_indent = None
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        name = line.split()[0] if line.strip() else ""
+        if not name or (previous_indent is not None and indent > previous_indent + 2):
+            continue  # a blank line, or a description's continuation
+        if indent == 0 and name != "gpupar/":
+            break  # benchmarks/, docs/: not the package
+        while parents and parents[-1][0] >= indent:
+            parents.pop()
+        if parents:
+            order.setdefault(parents[-1][1], []).append(name.rstrip("/"))
+        if name.endswith("/"):
+            package = f"{parents[-1][1]}.{name[:-1]}" if parents else name[:-1]
+            parents.append((indent, package))
+        previous_indent = indent
+    return order
+
+
+ORDER = documented_order(open(LAYOUT_DOC).read())
+
+
+def test_the_documented_order_is_read_as_written():
+    """Control of the reader: folders nest by indent, continuation lines are no modules, the list ends at gpupar/'s."""
+    text = """intro
+```
+gpupar/
+  low          the lowest
+  sub/         a folder
+    a          its first
+    b          its second, described
+               over two lines
+  high         above sub
+benchmarks/    not the package
+```
+"""
+    assert documented_order(text) == {"gpupar": ["low", "sub", "high"], "gpupar.sub": ["a", "b"]}
+
+
+def test_every_documented_module_exists():
+    graph, _ = _graph()
+    listed = {f"{package}.{name}" for package, names in ORDER.items() for name in names if name != "__init__"}
+    assert sorted(listed - set(graph)) == []
+    assert ORDER["gpupar"][-3:] == ["__init__", "cli", "__main__"] and "gpupar.training.steps" in ORDER
 
 
 def _rank(module, package):
