@@ -201,7 +201,7 @@ class StepOptions(Options):
       accumulate_steps: Add up the gradients of this many batches on each replica, then all-reduce and update once: one step on an N-times larger batch, in the memory of one batch (synchronous strategies).
       nan_policy: A step with a NaN or Inf loss or gradient: stop (error, last checkpoint kept) or skip it.
       precision: float32, mixed_bfloat16 (CPUs with bfloat16 units, GPUs of compute capability 8.0+), mixed_float16 (GPUs of 7.x; with dynamic loss scaling), or auto: the 16-bit format of these devices' matrix units (faster on large matrix products; gpupar diagnose measures both on your model).
-      jit_compile: Compile each train step with XLA (one replica only: tf.distribute's all-reduce cannot be compiled).
+      jit_compile: Compile each replica's train step with XLA, on one device or between GPUs (between CPU replicas XLA has no all-reduce: the step runs without it, and the log says so).
     """
 
     learning_rate: float = 1e-3
