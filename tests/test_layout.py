@@ -208,6 +208,29 @@ def test_nothing_in_the_package_imports_the_benchmarks():
     assert offenders == []
 
 
+PRIVATE = ("keras.src", "tensorflow.python", "tensorflow.core", "tensorflow.tsl")  # Keras' and TensorFlow's own code
+
+
+def private_imports(modules) -> list:
+    """["module imports name", ...] for every import of Keras' or TensorFlow's private code outside keras_compat."""
+    return sorted(f"{m} imports {i}" for m, p in modules.items() if m != "gpupar.keras_compat"
+                  for i in _imports(p, m, modules) if any(i == x or i.startswith(x + ".") for x in PRIVATE))
+
+
+def test_only_keras_compat_imports_keras_or_tensorflow_private_code():
+    _, modules = _graph()
+    assert private_imports(modules) == []
+
+
+def test_the_private_import_check_finds_one(tmp_path):
+    """Control: a module importing keras.src is named; the same import in keras_compat is not."""
+    module = tmp_path / "offender.py"
+    module.write_text("from keras.src.trainers import trainer\nimport tensorflow.python.distribute\n")
+    assert private_imports({"gpupar.offender": str(module)}) == [
+        "gpupar.offender imports keras.src.trainers", "gpupar.offender imports tensorflow.python.distribute"]
+    assert private_imports({"gpupar.keras_compat": str(module)}) == []
+
+
 def test_the_built_package_holds_no_benchmarks(tmp_path):
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                             "-w", str(tmp_path), ROOT], capture_output=True, text=True, timeout=300)
