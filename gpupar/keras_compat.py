@@ -360,22 +360,18 @@ def tf_global_generator():
     return stateful_random_ops.global_generator
 
 
-def gpu_descriptions(config) -> list:
-    """TensorFlow's description of each GPU it makes from `config` (its PCI bus id among them).
+def gpu_descriptions() -> list:
+    """TensorFlow's description of each GPU of the started runtime (its PCI bus id among them).
 
     tf.config's public device details give no bus id: this is device_lib.list_local_devices
-    (tensorflow/python/client/device_lib.py, TF 2.18-2.21), given the runtime's own config.
+    (tensorflow/python/client/device_lib.py, TF 2.18-2.21), given the runtime's own config
+    (tensorflow/python/eager/context.py, context().config), so that it makes the GPUs as configured.
     """
     from tensorflow.python.client import device_lib
-
-    return [d.physical_device_desc for d in device_lib.list_local_devices(config) if d.device_type == "GPU"]
-
-
-def runtime_config():
-    """The started runtime's ConfigProto (tensorflow/python/eager/context.py, context().config, TF 2.18-2.21)."""
     from tensorflow.python.eager import context
 
-    return context.context().config
+    return [d.physical_device_desc for d in device_lib.list_local_devices(context.context().config)
+            if d.device_type == "GPU"]
 
 
 def saved_as_shards(variable):

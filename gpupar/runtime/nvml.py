@@ -128,7 +128,7 @@ def tf_bus_ids() -> List[Optional[str]]:
 
     tf.config.list_logical_devices("GPU")  # starts the runtime with the configured settings
     found = []
-    for description in keras_compat.gpu_descriptions(keras_compat.runtime_config()):
+    for description in keras_compat.gpu_descriptions():
         match = re.search(r"pci bus id: ([0-9a-fA-F:.]+)", description)
         found.append(match.group(1) if match else None)
     return found

@@ -14,7 +14,6 @@ import re
 
 import numpy as np
 import tensorflow as tf
-# Keras' own tensor spec of several batches (the one its fit uses): differing dimensions open.
 
 from gpupar import keras_compat
 from gpupar.data import array_pipeline
