@@ -142,3 +142,55 @@ def test_arrays_for_parameter_servers_are_refused_naming_dataset_fn(tmp_path):
                      r"dataset_fn\(input_context\), not arrays", done.stderr), done.stderr[-3000:]
     assert "strategy:" not in done.stdout + done.stderr  # refused before the chief joined the cluster
     assert not os.path.exists(tmp_path / "model" / "checkpoint")
+
+
+def test_the_coordinator_reads_no_metric_variable_while_calls_are_in_flight():
+    """Under load an eager read of the ps tasks' metric variables from the coordinator, while workers' calls ran, has
+    crashed it (SIGSEGV): the scheduler gives the metrics its workers read, and reads them itself only when idle."""
+    import contextlib
+
+    from gpupar.training.inner_loop import Results
+    from gpupar.training.modes.parameter_server import Scheduler
+
+    reads = []
+
+    class Model:
+        def get_metrics_result(self):
+            reads.append(len(scheduler.pending))
+            return {"loss": 0.25}
+
+    class Step:
+        model, state_variables = Model(), []
+        train_zeros = staticmethod(lambda: 0.0)
+        in_call = staticmethod(contextlib.nullcontext)
+
+        @staticmethod
+        def results(num_steps, totals, waited, busy):
+            return Results(num_steps, float(totals), float(num_steps))
+
+    class Remote:
+        def __init__(self, number):
+            self.number = number
+
+        def fetch(self):  # a worker's (totals, worker index, metrics), its metrics as it read them
+            return float(self.number), self.number % 2, {"loss": 1.0 / self.number}
+
+    class Coordinator:
+        scheduled = 0
+
+        def schedule(self, function, args):
+            self.scheduled += 1
+            return Remote(self.scheduled)
+
+        def join(self):
+            pass
+
+    scheduler = Scheduler(Coordinator(), Step(), strategy=None, num_workers=1)  # 2 calls in flight at most
+    assert scheduler.run(None, 1).steps == 0 and scheduler.run(None, 1).steps == 0
+    assert scheduler.metrics() == {}  # nothing fetched yet: no read of the variables either
+    assert scheduler.run(None, 1).steps == 1  # the third waits for the first
+    assert scheduler.metrics() == {"loss": 1.0}
+    assert scheduler.run(None, 1).steps == 1
+    assert scheduler.metrics() == {"loss": 0.5} and reads == []
+    assert scheduler.finish().steps == 2
+    assert scheduler.metrics() == {"loss": 0.25} and reads == [0]  # read here, with nothing in flight

@@ -157,7 +157,7 @@ class Loop:
         before, current.finished = current.finished, current.finished + results.steps
         current.totals.add(results, skipped)
         self.observers.on_call_end(CallEnd(self.done, current.epoch, current.finished, results,
-                                           lambda: trainer.step.logs(current.totals.step_logs)))
+                                           lambda: trainer.logs(current.totals.step_logs)))
         name, value = non_finite(results)
         if name is not None:
             if not trainer.model.stop_training:
@@ -177,7 +177,7 @@ class Loop:
         per_epoch = self.trainer.steps_per_epoch
         self.observers.on_progress(ProgressLine(
             current.epoch, current.finished, per_epoch, current.epoch * per_epoch + current.finished,
-            self.trainer.step.logs(current.totals.step_logs), interval.examples / (now - current.shown_time),
+            self.trainer.logs(current.totals.step_logs), interval.examples / (now - current.shown_time),
             current.totals.examples, interval.skipped, dict(interval.by_worker)))
         current.shown, current.shown_time = current.totals.copy(), now
 
@@ -242,7 +242,7 @@ class Loop:
         totals = current.totals
         totals.seconds += time.perf_counter() - current.began
         figures = self.observers.epoch_figures()  # before the evaluation, which they do not measure
-        logs = self.trainer.step.logs(totals.step_logs)  # before the evaluation, which resets the metrics
+        logs = self.trainer.logs(totals.step_logs)  # before the evaluation, which resets the metrics
         evaluation = self.trainer.evaluate(self.observers) if self.options.evaluates_after(current.epoch) else {}
         return EpochRecord(
             epoch=current.epoch, logs={**logs, **evaluation},

@@ -61,7 +61,8 @@ class Trainer:
       step: The Step (gpupar.training.steps): what a replica does with a batch.
       calls: Runs calls of train steps: run(iterator, num_steps, first_call) -> Results of the
         steps that finished (a parameter-server scheduler reports calls later than asked);
-        finish() -> Results of the steps still in flight, once applied.
+        finish() -> Results of the steps still in flight, once applied; metrics() -> the model's
+        metrics as the host can read them meanwhile (keras_logs).
       make_input: make_input(first_step, limit=None) -> the training input from that global step.
       evaluate: evaluate(callbacks=None) -> {"val_loss": ..., "val_<metric>": ...} of the current
         weights over the whole evaluation set ({} without one); `callbacks` (an Observer) hears
@@ -132,6 +133,10 @@ class Trainer:
     def finish(self) -> Results:
         """Results of the steps still in flight, once applied."""
         return self.calls.finish()
+
+    def logs(self, step_logs: Optional[dict] = None) -> dict:
+        """The logs of the epoch's steps so far, as Keras' fit takes them (Step.logs), also while steps are in flight."""
+        return self.step.logs(step_logs, self.calls.metrics())
 
     def begin_epoch(self):
         """Called when an epoch starts at its first step."""

@@ -33,6 +33,7 @@ from gpupar.runtime.network import warn_if_reachable
 from gpupar.runtime.strategy import SHARD_BYTES, detected_plan, max_shards, plan_strategy, shared_strategy
 from gpupar.training.inner_loop import Results, steps_in_one_call
 from gpupar.training.modes.mode import Mode
+from gpupar.training.steps.step import as_logs, keras_logs
 from gpupar.training.trainer import Placement
 
 log = logging.getLogger("gpupar")
@@ -127,18 +128,25 @@ def _task(device: str) -> str:
 
 
 def worker_function(step, strategy):
-    """train(iterator, num_steps) -> (the step's totals, worker index): num_steps of the step's train steps on one worker.
+    """train(iterator, num_steps) -> (the step's totals, worker index, the model's metrics): num_steps of the step's
+    train steps on one worker.
 
     Each step is the worker's own: the loss of its batch, differentiated with respect to the
     variables the step updates (update_variables) and applied at once, without waiting for the
-    other workers.
+    other workers. The model's metrics are read on the worker once its steps have updated them,
+    as Keras 2's fit read them under ParameterServerStrategy (its train_function returned them):
+    the coordinator reads no variable on the ps tasks while other workers' calls run (an eager
+    read from the coordinator then has crashed it, SIGSEGV, under load).
     """
     steps = steps_in_one_call(lambda batch, states: strategy.run(step.train, args=(batch, states)), step.train_zeros(),
                               state_variables=step.state_variables)
 
     @tf.function(autograph=False)
     def train(iterator, num_steps):
-        return steps(iterator, num_steps), tf.distribute.coordinator.experimental_get_current_worker_index()
+        totals = steps(iterator, num_steps)
+        with tf.control_dependencies(tf.nest.flatten(totals)):  # after the steps' metric updates
+            metrics = step.model.get_metrics_result()
+        return totals, tf.distribute.coordinator.experimental_get_current_worker_index(), metrics
 
     return train
 
@@ -148,17 +156,20 @@ class Scheduler:
 
     At most IN_FLIGHT_PER_WORKER calls per worker wait unfetched; `schedule` returns the results
     of the calls it had to wait for (so they lag behind what was scheduled), `finish` waits for
-    every call still in flight.
+    every call still in flight; `metrics` gives the model's metrics as the last fetched call's
+    worker read them, until nothing is in flight.
     """
 
     def __init__(self, coordinator, step, strategy, num_workers: int):
         self.coordinator, self.step, self.train = coordinator, step, worker_function(step, strategy)
         self.max_in_flight = IN_FLIGHT_PER_WORKER * num_workers
         self.pending = collections.deque()
+        self.fetched_metrics = None  # as the worker of the last fetched call read them
 
     def _collect(self) -> Results:
         num_steps, remote = self.pending.popleft()
-        totals, worker = _fetch(self.coordinator, remote)
+        totals, worker, metrics = _fetch(self.coordinator, remote)
+        self.fetched_metrics = as_logs(metrics)
         results = self.step.results(num_steps, totals, None, None)
         return dataclasses.replace(results, by_worker={int(worker): num_steps})
 
@@ -177,7 +188,14 @@ class Scheduler:
         done = Results()
         while self.pending:
             done += self._collect()
+        self.fetched_metrics = None
         return done
+
+    def metrics(self) -> dict:
+        """The model's metrics: read here once nothing is in flight, else as the last fetched call's worker read them."""
+        if not self.pending:
+            return keras_logs(self.step.model)
+        return self.fetched_metrics or {}  # {} only before the epoch's first call is fetched: no steps to log
 
 
 def _fetch(coordinator, remote):

@@ -20,13 +20,15 @@ from gpupar.training.inner_loop import SUM, Results, steps_in_one_call
 
 
 def keras_logs(model) -> dict:
-    """The model's metrics as Keras' fit logs them (Model.get_metrics_result()): Python numbers, or NumPy arrays.
+    """The model's metrics as Keras' fit logs them (Model.get_metrics_result()), read here."""
+    return as_logs(model.get_metrics_result())
 
-    A metric of several values (F1Score per class, Precision at several thresholds) gives an
-    array, as Keras gives it to the callbacks.
-    """
+
+def as_logs(metrics) -> dict:
+    """Metric results (tensors, or values fetched from a worker) as Keras' fit logs them: Python numbers, or NumPy
+    arrays (a metric of several values, F1Score per class, Precision at several thresholds, as Keras gives them)."""
     logs = {}
-    for name, value in model.get_metrics_result().items():
+    for name, value in metrics.items():
         value = np.asarray(value)
         logs[name] = float(value) if value.ndim == 0 else value
     return logs
@@ -86,14 +88,15 @@ class Step:
         """The logs an evaluation's last step returned, where the kind's steps return logs (else None)."""
         return None
 
-    def logs(self, step_logs: Optional[dict] = None) -> dict:
+    def logs(self, step_logs: Optional[dict] = None, metrics: Optional[dict] = None) -> dict:
         """The logs of the steps since the metrics were reset, as Keras' fit takes them.
 
         The model's metrics (Keras' get_metrics_result, summed over replicas as each variable
-        declares), unless a step returned logs of other names (a model's own train_step): then
-        those, its last (Keras' Trainer._get_metrics_result_or_logs).
+        declares; `metrics` where they were read elsewhere, else read here), unless a step returned
+        logs of other names (a model's own train_step): then those, its last (Keras'
+        Trainer._get_metrics_result_or_logs).
         """
-        metrics = keras_logs(self.model)
+        metrics = keras_logs(self.model) if metrics is None else metrics
         if step_logs is None or set(step_logs) == set(metrics):
             return metrics
         return dict(step_logs)
@@ -193,6 +196,10 @@ class LocalCalls:
     def finish(self) -> Results:
         """Nothing is in flight once run() returns."""
         return Results()
+
+    def metrics(self) -> dict:
+        """The model's metrics, read here: nothing is in flight."""
+        return keras_logs(self.step.model)
 
 
 class Evaluation:
