@@ -64,8 +64,9 @@ def _convolution(out_position: int, filter_position: int, depthwise: bool):
 # The ops a matrix unit runs, and how each is counted: TensorFlow's registered statistic where it
 # has one, else the shape arithmetic above.
 MATRIX_OPS = {
-    **dict.fromkeys(("MatMul", "Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3D",
-                     "DepthwiseConv2dNative"), _registered),
+    **dict.fromkeys(("MatMul", "Conv2D", "Conv3D", "DepthwiseConv2dNative"), _registered),
+    "Conv2DBackpropInput": _convolution(2, 1, depthwise=False),
+    "Conv2DBackpropFilter": _convolution(2, -1, depthwise=False),
     **dict.fromkeys(("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"), _batch_matmul),
     "Einsum": _einsum,
     "Conv3DBackpropInputV2": _convolution(2, 1, depthwise=False),
@@ -84,11 +85,11 @@ def step_flops_per_example(model, batch) -> float:
     The step (Keras' own train_step or a model's override, such as a GAN's two updates) is traced
     with tf.function at the batch's shapes, not run, and every matrix op of the graph counted
     (MATRIX_OPS: multiply, batched multiply, einsum, convolutions and their backprops), a
-    multiply-add as 2 FLOPs: TensorFlow's registered statistic for MatMul, Conv2D,
-    Conv2DBackpropInput, Conv2DBackpropFilter, Conv3D and DepthwiseConv2dNative (its
-    Conv2DBackpropInput divides the image by the strides: exact when the image is a multiple of
-    them, as with "same" padding); shape arithmetic for BatchMatMul* (TensorFlow's ignores
-    adj_x), Einsum and the depthwise and 3-D backprops.
+    multiply-add as 2 FLOPs: TensorFlow's registered statistic for MatMul, Conv2D, Conv3D and
+    DepthwiseConv2dNative; shape arithmetic for BatchMatMul* (TensorFlow's ignores adj_x),
+    Einsum and every convolution backprop (TensorFlow's Conv2D backprops count from the input
+    image's size, not the output's: too many for "valid" padding; a backprop does the forward
+    convolution's multiply-adds).
     Batch norm, activations, pooling, the loss and the optimizer's update are element-wise and
     memory-bound, and left out: the count is what a matrix unit could do at best.
 
