@@ -12,9 +12,9 @@ noise hits all of them alike. Besides gpupar and model.fit, the classic TF1 towe
 (benchmarks/towers.py) runs as the baseline multi-device code is usually measured against. Per
 configuration it reports the median and spread of images/s, the CPU cores it kept busy (CPU time
 over wall time, spinning threads included), the ratio to model.fit with the same replicas (median
-of the per-round ratios), the fraction of the roofline (conv and dense FLOPs at this machine's
-matrix-multiply rate), seconds to the first step and peak memory. For gpupar's default
-configuration it then shows where the time goes (input wait, step and host from in-graph
+of the per-round ratios), the fraction of the roofline (the matrix-op FLOPs of a Keras train
+step at this machine's matrix-multiply rate), seconds to the first step and peak memory. For
+gpupar's default configuration it then shows where the time goes (input wait, step and host from in-graph
 timestamps; op time by kind from a TensorBoard profile) and, last, trains it to a test accuracy
 (`--accuracy_target`) and reports the time.
 """
@@ -219,8 +219,8 @@ def table(report: dict) -> str:
     for text, ratio in report.get("headlines", {}).items():
         notes.append(f"{text}: {ratio:.2f}x")
     if report.get("flops_per_image"):
-        notes.append(f"roofline: {report['flops_per_image'] / 1e6:.2f} MFLOP per image (conv and dense, forward and "
-                     f"backward) at the matmul rate, float32 {report['matmul']['float32_flops'] / 1e9:,.0f} GFLOP/s, "
+        notes.append(f"roofline: {report['flops_per_image'] / 1e6:.2f} MFLOP per image (the matrix ops of a "
+                     f"train step) at the matmul rate, float32 {report['matmul']['float32_flops'] / 1e9:,.0f} GFLOP/s, "
                      f"bfloat16 {report['matmul']['bfloat16_flops'] / 1e9:,.0f} GFLOP/s")
     for r in report["configurations"]:
         if r["name"] == GPUPAR and "time_shares" in r:

@@ -194,13 +194,20 @@ def fit_runner(spec):
 
 def matmul_runner(spec):
     """The float32 and bfloat16 matrix-multiply rates, measured again at every run, and the ConvNet's FLOPs."""
+    import keras
+    import numpy as np
     import tensorflow as tf
 
     from gpupar.models.convnet import build_convnet
-    from benchmarks.roofline import matmul_flops_per_second, training_flops_per_example
+    from benchmarks.roofline import matmul_flops_per_second, step_flops_per_example
 
+    # The ConvNet fit one step on a zero batch: built with its optimizer, as step_flops_per_example needs.
+    model = build_convnet()
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    batch = (np.zeros((8, 28, 28, 1), "float32"), np.zeros((8,), "int32"))
+    model.fit(*batch, batch_size=8, verbose=0)
     say(first_step_seconds=time.perf_counter() - STARTED, strategy="matmul 2048x2048", steps_per_call=1,
-        flops_per_image=training_flops_per_example(build_convnet()))
+        flops_per_image=step_flops_per_example(model, batch))
     serve(lambda _: {"float32_flops": matmul_flops_per_second(tf.float32),
                      "bfloat16_flops": matmul_flops_per_second(tf.bfloat16)}, spec["steps"])
 
