@@ -38,6 +38,15 @@ def test_quick_keras_io_benchmark_compares_both_runners_in_both_precisions(tmp_p
         (1, n) for n in ("model.fit", "gpupar.fit")]
     assert all(row["ratio"] > 0 and "val_accuracy" in row["difference"] for row in report["bfloat16"])
     assert "| bf16/f32 |" in stdout and "| gpupar/fit |" in stdout
+    # model.fit at its best (steps_per_execution=10, float32 alone) runs at 1 replica, and the limit is a fraction.
+    plain, fast = rows
+    assert plain["tuned_examples_per_second"] > 0 and plain["best_ratio"] > 0 and "tuned_failed" not in plain
+    assert "tuned_examples_per_second" not in fast and "best_ratio" not in fast
+    assert report["flops_per_example"]["mnist_convnet"] > 1e6
+    for row in rows + report["bfloat16"]:
+        limits = [v for k, v in row.items() if k.endswith("_limit")]
+        assert limits and all(0 < v < 1 for v in limits), row
+    assert f"| {keras_io.NAMES['tuned']} ex/s |" in stdout and "| limit: bfloat16 |" in stdout
 
 
 @pytest.mark.slow
@@ -51,6 +60,9 @@ def test_quick_keras_io_benchmark_runs_an_own_train_step_and_a_py_dataset(tmp_pa
     assert pets["metrics"] == ["val_loss"] and pets["train_examples"] == 72 and pets["val_examples"] == 24
     for row in (gan, pets):
         assert row["ratio"] > 0 and all(np.isfinite(v) for v in row["gpupar_quality"].values())
+        # model.fit at its best under MirroredStrategy: it ran, or the row says its one-line error.
+        assert row["best_ratio"] > 0
+        assert row.get("tuned_examples_per_second", 0) > 0 or "Error" in row["tuned_failed"].split(":")[0]
     assert report["bfloat16"] == []  # float32 alone: nothing to compare
 
 
@@ -82,9 +94,31 @@ def test_a_combination_that_cannot_run_is_a_row_with_its_reason():
     row = {"example": "text_classification_with_transformer", "kind": "transformer", "replicas": 1,
            "precision": "mixed_bfloat16", "cannot_run": "its ids round in bfloat16"}
     text = keras_io.table({"rows": [row], "bfloat16": [], "scales": {row["example"]: 1}, "repeats": 1, "epochs": 2,
-                           "seconds": 1.0, "quick": False})
+                           "seconds": 1.0, "quick": False, "flops_per_example": {row["example"]: 2.5e6},
+                           "peak_flops_per_second": {"float32": 1e11, "mixed_bfloat16": 4e11}, "peaks": [{}]})
     assert "| text_classification_with_transformer | transformer | 1 | mixed_bfloat16 | cannot run* |" in text
     assert "* its ids round in bfloat16" in text
+    assert "text_classification_with_transformer 2.5 MFLOP) over this machine's matrix-multiply rate in the precision " \
+           "it ran in (float32 100 GFLOP/s, bfloat16 400 GFLOP/s" in text
+
+
+def test_model_fit_at_its_best_that_fails_is_a_row_with_its_error_against_the_default():
+    def run(rate, **more):
+        return {"examples_per_second": rate, "quality": {"val_accuracy": 0.5}, **more}
+
+    fit, ours = [run(100.0), run(120.0)], [run(150.0), run(150.0)]
+    failed = [{"failed": "InvalidArgumentError: You must feed a value for placeholder tensor"}] * 2
+    assert keras_io._best(fit, failed) is fit
+    assert keras_io._tuned(failed, fit, ours) == {"tuned_failed": failed[0]["failed"], "best_ratio": 1.375}
+    faster = [run(200.0), run(100.0)]  # the best in each round: 200 in the first, 120 in the second
+    assert [r["examples_per_second"] for r in keras_io._best(fit, faster)] == [200.0, 120.0]
+    assert keras_io._tuned(faster, keras_io._best(fit, faster), ours)["best_ratio"] == (0.75 + 1.25) / 2
+    row = {"example": "mnist_convnet", "replicas": 2, "fit_examples_per_second": 110.0,
+           "gpupar_examples_per_second": 150.0, "difference": {"val_accuracy": 0.0}, "fit_limit": 0.01,
+           "best_limit": 0.01, "gpupar_limit": 0.015, **keras_io._tuned(failed, fit, ours)}
+    text = "\n".join(keras_io._best_table([row]))
+    assert "| mnist_convnet | 2 | 110 | fails† | 150 | 1.38x | +0.0000 | 1.0% | 1.5% |" in text
+    assert "† model.fit, steps_per_execution=10 fails here: InvalidArgumentError: You must feed" in text
 
 
 @pytest.mark.parametrize("flag, message", [
@@ -97,3 +131,14 @@ def test_a_bad_flag_value_is_one_line_and_status_2_before_anything_runs(flag, me
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 2 and done.stderr.startswith(f"benchmarks.keras_io: error: {message}"), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.json").exists()
+
+
+def test_a_failure_is_one_line_naming_tensorflows_root_error_not_its_call_stack():
+    import tensorflow as tf
+
+    message = ("Graph execution error:\n\nDetected at node while/cond/Placeholder_1 defined at (most recent call last):\n"
+               '  File "trainer.py", line 399, in fit\n\n2 root error(s) found.\n  (0) INVALID_ARGUMENT:  You must feed '
+               "a value for placeholder tensor 'while/cond/Placeholder_1' with dtype int32\n\t [[{{node x}}]]\n")
+    assert keras_io.failure(tf.errors.InvalidArgumentError(None, None, message)) == (
+        "InvalidArgumentError: You must feed a value for placeholder tensor 'while/cond/Placeholder_1' with dtype int32")
+    assert keras_io.failure(ValueError("the batch is empty\nmore detail")) == "ValueError: the batch is empty"
