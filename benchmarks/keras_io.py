@@ -481,7 +481,7 @@ def measure(examples, scales, epochs, repeats, precisions, keras_threads, replic
     bfloat16 = []
     for example in examples if set(PRECISIONS) <= set(precisions) else ():
         for replicas in replica_counts:
-            for runner in RUNNERS:
+            for runner in (r for r in RUNNERS if r != "tuned"):  # the tuned runs are float32 alone
                 row = {"example": example, "replicas": replicas, "runner": NAMES[runner]}
                 if (example, "mixed_bfloat16") not in runnable:
                     bfloat16.append({**row, "cannot_run": CANNOT_RUN[(example, "mixed_bfloat16")]})
@@ -489,8 +489,9 @@ def measure(examples, scales, epochs, repeats, precisions, keras_threads, replic
                 plain, fast = (runs[(example, replicas, p, runner)] for p in PRECISIONS)
                 bfloat16.append({
                     **row, "metrics": list(plain[0]["quality"]),
-                    **{f"{p}_limit": statistics.median(r["examples_per_second"] for r in results) * flops[example]
-                       / peak[p] for p, results in zip(("float32", "bfloat16"), (plain, fast))},
+                    **{f"{name}_limit": statistics.median(r["examples_per_second"] for r in results)
+                       * flops[example] / peak[p] for name, p, results in zip(("float32", "bfloat16"), PRECISIONS,
+                                                                             (plain, fast))},
                     "float32_examples_per_second": statistics.median(r["examples_per_second"] for r in plain),
                     "bfloat16_examples_per_second": statistics.median(r["examples_per_second"] for r in fast),
                     "ratio": _paired_ratio(fast, plain),
