@@ -121,7 +121,7 @@ bench-own-step: venv
 	$(VENV)/bin/python -m benchmarks.own_step
 
 # Every table the README and the docs quote, one benchmark after another, into benchmarks/results/RESULTS.md with
-# each table's commit, command, date and machine: about 50 minutes, on an otherwise idle machine.
+# each table's commit, command, date and machine: about an hour, on an otherwise idle machine.
 results: venv data
 	$(VENV)/bin/python -m benchmarks.results --data_dir=$(DATA_DIR)
 

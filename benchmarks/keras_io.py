@@ -189,11 +189,12 @@ def mirrored_fit_ready(gan):
 MIRRORED_FIT_READY = {"dcgan_overriding_train_step": mirrored_fit_ready}  # model.fit's workaround at 2 replicas
 
 
-def keras_fit(example, replicas, precision="float32", ready=None, steps_per_execution=1):
+def keras_fit(example, replicas, precision="float32", ready=None, steps_per_execution=1, callbacks=()):
     """A fit with model.fit's signature: builds the example's model (in MirroredStrategy's scope at 2 replicas, in
     the precision's dtype policy) and trains it with Keras' model.fit, `steps_per_execution` steps per tf.function
     call (compile's), timing every epoch's training; returns (history, examples per epoch, seconds per epoch,
-    validation examples). `ready(model)`, if given, runs on the model at 2 replicas, in the strategy's scope."""
+    validation examples). `ready(model)`, if given, runs on the model at 2 replicas, in the strategy's scope;
+    `callbacks` go after the program's own."""
     import keras
     import tensorflow as tf
 
@@ -229,7 +230,8 @@ def keras_fit(example, replicas, precision="float32", ready=None, steps_per_exec
         else:
             model = example.model_fn()
         model.steps_per_execution = steps_per_execution  # as compile(steps_per_execution=...) sets it
-        kwargs["callbacks"] = [timer] + list(kwargs.get("callbacks") or [])  # first: the others' epoch ends not timed
+        # The timer first: the others' epoch ends are not timed.
+        kwargs["callbacks"] = [timer] + list(kwargs.get("callbacks") or []) + list(callbacks)
         kwargs["verbose"] = 0
         history = model.fit(x, y, **kwargs)
         size = training_size(x, kwargs.get("validation_split", 0.0))
@@ -238,16 +240,18 @@ def keras_fit(example, replicas, precision="float32", ready=None, steps_per_exec
     return fit
 
 
-def gpupar_fit(example, replicas, seed, precision="float32"):
+def gpupar_fit(example, replicas, seed, precision="float32", callbacks=()):
     """A fit with model.fit's signature: gpupar.fit(model_fn, ...) on one device or mirrored over the virtual CPUs;
     returns (history, examples per epoch, seconds per epoch, validation examples). gpupar seeds Keras itself
-    (keras.utils.set_random_seed(Config.seed), 0 by default), so the round's seed goes in as seed=."""
+    (keras.utils.set_random_seed(Config.seed), 0 by default), so the round's seed goes in as seed=. `callbacks` go
+    after the program's own."""
     import gpupar
 
     options = dict(strategy="mirrored", virtual_cpus=replicas) if replicas > 1 else dict(strategy="one_device")
 
     def fit(x=None, y=None, **kwargs):
         kwargs["verbose"] = 0
+        kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + list(callbacks)
         result = gpupar.fit(example.model_fn, x, y, save=False, seed=seed, precision=precision, **options, **kwargs)
         if result.replicas != replicas:
             raise SystemExit(f"benchmarks.keras_io: asked for {replicas} replicas, got {result.strategy_description}")
@@ -307,9 +311,9 @@ def measure_peak():
 
 
 def work(example_name: str, runner: str, replicas: int, precision: str, seed: int, scale: int, epochs: int,
-         keras_threads: str):
+         keras_threads: str, callbacks=()):
     """Trains one combination in this fresh process and prints its RESULT line (model.fit at its best: its error,
-    where it fails)."""
+    where it fails); `callbacks` (Keras callbacks) watch the fit too."""
     started = time.perf_counter()
     if replicas > 1:  # before anything starts TensorFlow
         if runner == "gpupar" or keras_threads == "gpupar":
@@ -325,10 +329,10 @@ def work(example_name: str, runner: str, replicas: int, precision: str, seed: in
 
     example = _port(example_name)
     if runner == "gpupar":
-        fit = gpupar_fit(example, replicas, seed, precision)
+        fit = gpupar_fit(example, replicas, seed, precision, callbacks)
     else:
         fit = keras_fit(example, replicas, precision, MIRRORED_FIT_READY.get(example_name),
-                        TUNED_STEPS if runner == "tuned" else 1)
+                        TUNED_STEPS if runner == "tuned" else 1, callbacks)
     keras.utils.set_random_seed(seed)
     with tempfile.TemporaryDirectory(prefix="keras_io_bench_") as workdir:
         try:

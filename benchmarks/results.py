@@ -14,8 +14,10 @@ says so, and the command exits with status 1 after the others have run. The tabl
 
 - train: `make train`'s run (the README's Results table), `gpupar --dataset=fashion_mnist
   --epochs=5` from scratch into WORK_DIR/train, about 40 s;
-- keras_io: `python -m benchmarks.keras_io`, gpupar.fit against model.fit on five keras-io
-  programs, float32 and bfloat16, about 24 minutes;
+- keras_io: `python -m benchmarks.keras_io`, gpupar.fit against model.fit at its defaults and at
+  its best on five keras-io programs, float32 and bfloat16, and their limits, about 30 minutes;
+- step_profile: `python -m benchmarks.step_profile`, an op-level profile of model.fit at its best
+  and of gpupar.fit at one replica (docs/how-it-works.md), about 1 minute;
 - own_step: `python -m benchmarks.own_step`, a GAN's own train_step, about 4 minutes;
 - bench: `python -m benchmarks.bench --repeats=3`, the ConvNet against model.fit and the TF1
   tower code, the options, the time to 0.89 accuracy, about 11 minutes;
@@ -52,7 +54,7 @@ from benchmarks import script  # noqa: E402
 
 FLAGS = flags.FLAGS
 
-TABLES = ("train", "keras_io", "own_step", "bench", "input", "pipeline", "diagnose")
+TABLES = ("train", "keras_io", "step_profile", "own_step", "bench", "input", "pipeline", "diagnose")
 OUT_DIR, QUICK_DIR = "benchmarks/results", "runs/results/quick"
 BUSY_CORES = 0.25  # cores kept busy by other processes just before a table above this: the machine was not idle
 
@@ -145,13 +147,14 @@ def tables(data_dir: str, work_dir: str, quick: bool) -> List[Table]:
     train_dir = os.path.join(work_dir, "train")
     tiny = {"train": ["--epochs=1", "--steps_per_epoch=2", "--per_replica_batch_size=64"],
             "keras_io": ["--quick", "--examples=mnist_convnet", "--precisions=float32"],
+            "step_profile": ["--examples=mnist_convnet", "--scale=1"],
             "own_step": ["--quick"],
             "bench": ["--replicas=1", "--only=^(gpupar|model.fit)$", "--steps=2", "--repeats=1", "--batch_size=16",
                       "--accuracy_target=0"],
             "input": ["--steps=4", "--repeats=1", "--batch_size=64"],
             "pipeline": ["--steps=2", "--repeats=1", "--batch_size=32", "--lstm_units=16"],
             "diagnose": ["--diagnose_steps=4", "--per_replica_batch_size=64"]}
-    full = {"train": ["--epochs=5"], "keras_io": [], "own_step": [], "bench": ["--repeats=3"], "input": [],
+    full = {"train": ["--epochs=5"], "keras_io": [], "step_profile": [], "own_step": [], "bench": ["--repeats=3"], "input": [],
             "pipeline": [], "diagnose": []}
     extra = tiny if quick else full
     json_of = {name: os.path.join(work_dir, f"{name}.json") for name in TABLES}
@@ -164,6 +167,10 @@ def tables(data_dir: str, work_dir: str, quick: bool) -> List[Table]:
               "benchmarks/README.md", [python, "-m", "benchmarks.keras_io", *extra["keras_io"],
                                        f"--json={json_of['keras_io']}"],
               json_of["keras_io"], benchmark_markdown("keras_io")),
+        Table("step_profile", "Where the time goes at one replica: model.fit at its best and gpupar.fit, op by op",
+              "docs/how-it-works.md", [python, "-m", "benchmarks.step_profile", *extra["step_profile"],
+                                       f"--json={json_of['step_profile']}"],
+              json_of["step_profile"], benchmark_markdown("step_profile")),
         Table("own_step", "A model's own train_step (DCGAN-like)", "benchmarks/README.md",
               [python, "-m", "benchmarks.own_step", *extra["own_step"], f"--json={json_of['own_step']}"],
               json_of["own_step"], benchmark_markdown("own_step")),

@@ -142,3 +142,21 @@ def test_a_failure_is_one_line_naming_tensorflows_root_error_not_its_call_stack(
     assert keras_io.failure(tf.errors.InvalidArgumentError(None, None, message)) == (
         "InvalidArgumentError: You must feed a value for placeholder tensor 'while/cond/Placeholder_1' with dtype int32")
     assert keras_io.failure(ValueError("the batch is empty\nmore detail")) == "ValueError: the batch is empty"
+
+
+def test_a_profile_counts_each_op_kind_by_its_own_time_not_its_nested_ops():
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    from benchmarks import step_profile
+
+    space = xplane_pb2.XSpace()
+    plane = space.planes.add(name="/host:CPU")
+    for number, name in enumerate(["while:While", "dense/MatMul:_MklMatMul", "ExecutorState::Process"], start=1):
+        plane.event_metadata[number].id, plane.event_metadata[number].name = number, name
+    line = plane.lines.add()
+    for metadata, start, duration in ((1, 0, 10), (2, 2, 3), (2, 6, 2), (3, 20, 4)):  # two MatMuls inside the While
+        line.events.add(metadata_id=metadata, offset_ps=start * 10**12, duration_ps=duration * 10**12)
+    space.planes.add(name="/device:GPU:0").lines.add().events.add(metadata_id=1, duration_ps=10**15)  # not the host
+    seconds, events = step_profile.self_times(space)
+    assert seconds == {"While": 5.0, "_MklMatMul": 5.0, "Process": 4.0}
+    assert events == {"While": 1, "_MklMatMul": 2, "Process": 1}
