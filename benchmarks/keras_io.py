@@ -26,8 +26,8 @@ which it gives set_random_seed itself).
 - model.fit at its best ("tuned", float32 alone): the same, with as many steps per tf.function
   call as gpupar.fit runs by default (steps_per_execution=10, STEPS_PER_CALL), set on the model
   that model_fn() compiled, as compile(steps_per_execution=10) sets it. Where it fails (Keras
-  3.15 under MirroredStrategy on NumPy arrays), its row says the error, and the best model.fit
-  that runs is its default.
+  3.15 under MirroredStrategy, on each of these programs), its row says the error, and the best
+  model.fit that runs is its default.
 - gpupar.fit: gpupar.fit(model_fn, ...) with strategy="one_device" at 1 replica, and
   strategy="mirrored", virtual_cpus=2 at 2 (after gpupar.configure_devices(virtual_cpus=2));
   precision="mixed_bfloat16" in bfloat16 (gpupar sets that policy around model_fn).

@@ -160,3 +160,16 @@ def test_a_profile_counts_each_op_kind_by_its_own_time_not_its_nested_ops():
     seconds, events = step_profile.self_times(space)
     assert seconds == {"While": 5.0, "_MklMatMul": 5.0, "Process": 4.0}
     assert events == {"While": 1, "_MklMatMul": 2, "Process": 1}
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--examples=mnist_convnet,nope", "--examples: unknown nope; choose from "),
+    ("--scale=0", "flag --scale=0: 0 is not"),
+], ids=["examples", "scale"])
+def test_a_bad_step_profile_flag_is_one_line_and_status_2_before_anything_runs(flag, message, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "benchmarks.step_profile", flag, "--json", str(tmp_path / "out.json")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode != 0 and message in done.stderr, done.stderr
+    assert not (tmp_path / "out.json").exists()
+    if flag.startswith("--examples"):  # benchmarks.script's UsageError: one line, status 2 (absl's own for --scale)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
