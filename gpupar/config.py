@@ -1,7 +1,7 @@
 """The one frozen configuration shared by the Python API, the CLI flags and the tests, in parts.
 
 A Config holds one part per layer that reads it: `device_setup` (gpupar.runtime.devices),
-`distribution` (the strategy and the modes), `step` (the train step), `input` (the input
+`distribution` (the strategy and the modes), `step_options` (the train step), `input` (the input
 pipelines), `loop` (the outer loop) and `outputs` (checkpoints, logs, metrics, export), plus the
 `seed` that all of them share. Each layer receives only its part. Options are given flat, by
 field name (`Config(epochs=3, strategy="mirrored")`, `--epochs=3`): every field name is unique
@@ -367,7 +367,7 @@ class OutputOptions(Options):
 
 # The parts, in the order of the flags and the docs: (attribute of Config, class).
 PARTS = (("distribution", Distribution), ("device_setup", DeviceSetup), ("input", InputOptions),
-         ("step", StepOptions), ("loop", LoopOptions), ("outputs", OutputOptions))
+         ("step_options", StepOptions), ("loop", LoopOptions), ("outputs", OutputOptions))
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -378,7 +378,7 @@ class Config:
       distribution: The strategy and each mode's options (Distribution).
       device_setup: The devices TensorFlow makes (DeviceSetup).
       input: The batch and its pipelines (InputOptions).
-      step: The train step (StepOptions).
+      step_options: The train step (StepOptions).
       loop: The outer loop (LoopOptions).
       outputs: Checkpoints, logs, metrics and export (OutputOptions).
       seed: Seed for weights, shuffling and dropout.
@@ -387,7 +387,7 @@ class Config:
     distribution: Distribution
     device_setup: DeviceSetup
     input: InputOptions
-    step: StepOptions
+    step_options: StepOptions
     loop: LoopOptions
     outputs: OutputOptions
     seed: int

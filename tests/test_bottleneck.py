@@ -93,9 +93,9 @@ def test_device_augmentation_trains_and_is_not_input_bound(idx_dir, capsys):
 
 
 def _timed_call(iterator, batch_step, steps):
-    from gpupar.training.inner_loop import steps_in_one_call
+    from gpupar.training.inner_loop import InnerLoop
 
-    run = steps_in_one_call(lambda batch, states: (batch_step(batch), states), (0.0, 0.0), timed=True)
+    run = InnerLoop(lambda batch, states: (batch_step(batch), states), (0.0, 0.0), parallel_iterations=1).call
     run(iterator, tf.constant(2), tf.constant(True))  # traces
     started = time.perf_counter()
     _, waited, busy = run(iterator, tf.constant(steps), tf.constant(False))
@@ -131,10 +131,10 @@ def test_slow_input_shows_as_waiting():
 def test_the_steps_of_a_call_do_not_overlap():
     # Otherwise TensorFlow's while loop starts a step's get_next while the step before still runs,
     # and counts that running as waiting (two replicas on an in-memory pipeline read 50% "wait").
-    from gpupar.training.inner_loop import steps_in_one_call
+    from gpupar.training.inner_loop import InnerLoop, timed_loop_iterations
 
-    run = steps_in_one_call(lambda batch, states: ((tf.reduce_sum(batch), tf.constant(0.0)), states), (0.0, 0.0),
-                            timed=True)
+    run = InnerLoop(lambda batch, states: ((tf.reduce_sum(batch), tf.constant(0.0)), states), (0.0, 0.0),
+                    parallel_iterations=timed_loop_iterations(on_gpus=False)).call
     iterator = iter(tf.data.Dataset.from_tensors(tf.ones([4])).repeat())
     graph = run.get_concrete_function(iterator, tf.constant(1), tf.constant(False)).graph
     loops = [op.get_attr("parallel_iterations") for op in graph.get_operations() if op.type.endswith("While")]

@@ -97,7 +97,7 @@ def _plan(kind, cluster_json, gpus=(), **kw):
 def test_auto_picks_multi_worker_mirrored_for_a_cluster_of_workers():
     plan = _plan("auto", _config(TWO_WORKERS))
     assert plan.kind == "multi_worker_mirrored" and plan.cross_device_ops == "ring"
-    assert plan.num_replicas == 2 and plan.devices == ("/cpu:0",)
+    assert (plan.num_replicas, plan.num_workers) == (2, 2) and plan.devices == ("/cpu:0",)
     assert "MultiWorkerMirroredStrategy on 2 workers" in plan.describe()
 
 
@@ -108,7 +108,7 @@ def test_multi_worker_mirrored_uses_nccl_between_gpus_on_linux():
 
 def test_auto_picks_parameter_server_when_the_cluster_has_ps_tasks():
     plan = _plan("auto", _config(PS_CLUSTER, "chief"))
-    assert plan.kind == "parameter_server" and plan.num_replicas == 2
+    assert plan.kind == "parameter_server" and (plan.num_workers, plan.num_replicas) == (2, 1)
     assert "ParameterServerStrategy with 2 worker(s) and 1 parameter server(s)" in plan.describe()
 
 

@@ -14,7 +14,7 @@ from gpupar.training import modes
 def test_defaults_match_the_documented_api():
     c, preset = Config(), MnistOptions()
     assert (c.loop.epochs, c.input.batch_size, c.loop.verbose, c.loop.display_step) == (1, None, "auto", None)  # fit's
-    assert (c.step.learning_rate, c.distribution.strategy, preset.dataset) == (1e-3, "auto", "mnist")
+    assert (c.step_options.learning_rate, c.distribution.strategy, preset.dataset) == (1e-3, "auto", "mnist")
     config, _ = mnist_options()  # the presets' own
     assert (config.loop.epochs, config.input.per_replica_batch_size, config.loop.display_step, config.loop.verbose) == (
         5, 1024, 10, 2)

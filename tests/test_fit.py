@@ -293,7 +293,7 @@ def test_keras_dropout_resumes_mid_epoch_with_the_masks_of_an_uninterrupted_run(
     # Control: without the SeedGenerators' states in the checkpoint, the resumed run draws other masks.
     from gpupar.training import checkpoint
 
-    monkeypatch.setattr(checkpoint, "random_state", lambda model: [])
+    monkeypatch.setattr(checkpoint, "model_random_state", lambda model: [])
     resumed, straight = _resumed_with_dropout(tmp_path, "control")
     assert _difference(straight, resumed) > 1e-3
 

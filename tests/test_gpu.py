@@ -183,12 +183,12 @@ def test_the_loss_scale_is_checkpointed(tmp_path):
 
 def test_the_sums_stay_on_the_replicas_until_the_call_ends():
     """No step waits for another's numbers on the host: the cross-replica sums come after the steps' loop."""
-    from gpupar.training.inner_loop import steps_in_one_call
+    from gpupar.training.inner_loop import InnerLoop
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     iterator = iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(tf.ones([4])).repeat()))
-    run = steps_in_one_call(lambda batch, states: ((tf.reduce_sum(batch), [tf.reduce_max(batch)]), states), (0.0, [0.0]),
-                            timed=True, strategy=strategy)
+    run = InnerLoop(lambda batch, states: ((tf.reduce_sum(batch), [tf.reduce_max(batch)]), states), (0.0, [0.0]),
+                    strategy=strategy).call
     graph = run.get_concrete_function(iterator, tf.constant(1), tf.constant(False)).graph
     reductions = [op for op in graph.get_operations() if op.type == "AddN"]
     assert len(reductions) >= 2  # the two sums, reduced once, outside the loop

@@ -151,6 +151,7 @@ def test_the_coordinator_reads_no_metric_variable_while_calls_are_in_flight():
 
     from gpupar.training.inner_loop import Results
     from gpupar.training.modes.parameter_server import Scheduler
+    from gpupar.training.steps.step import Step as AnyStep
 
     reads = []
 
@@ -159,9 +160,10 @@ def test_the_coordinator_reads_no_metric_variable_while_calls_are_in_flight():
             reads.append(len(scheduler.pending))
             return {"loss": 0.25}
 
-    class Step:
-        model, state_variables = Model(), []
+    class Step(AnyStep):
+        model = Model()
         train_zeros = staticmethod(lambda: 0.0)
+        train_step = staticmethod(lambda batch, states: (0.0, states))
         in_call = staticmethod(contextlib.nullcontext)
 
         @staticmethod

@@ -231,21 +231,25 @@ def test_the_xla_step_is_traced_on_a_full_batchs_static_shape_and_a_smaller_batc
     constants): the full batch must reach the compiled step with its static shape."""
     import tensorflow as tf
 
-    from gpupar.training.steps.step import compiled_for_full_batches
+    from gpupar.training.inner_loop import InnerLoop
 
     traced = []
 
     def train(batch, states):
         traced.append(batch.shape.as_list())
-        return tf.reduce_sum(batch) + states[0]
+        return tf.reduce_sum(batch), states
 
-    step = tf.function(compiled_for_full_batches(train, 4)).get_concrete_function(tf.TensorSpec([None, 3]),
-                                                                                  [tf.TensorSpec([])])
+    loop = InnerLoop(train, 0.0, jit_compile=True, full_rows=4)
+    sizes = [4, 4, 2]  # two full batches, then an epoch's last, smaller one
+    batches = iter(tf.data.Dataset.from_generator(lambda: (np.ones([n, 3], np.float32) for n in sizes),
+                                                  output_signature=tf.TensorSpec([None, 3])))
+    concrete = loop.call.get_concrete_function(batches, tf.constant(1), tf.constant(False))
     assert sorted(traced, key=str) == [[4, 3], [None, 3]]
-    library = step.graph.as_graph_def().library
-    assert any(node.attr["_XlaMustCompile"].b for f in [step.graph.as_graph_def(), *library.function]
+    library = concrete.graph.as_graph_def().library
+    assert any(node.attr["_XlaMustCompile"].b for f in [concrete.graph.as_graph_def(), *library.function]
                for node in getattr(f, "node", getattr(f, "node_def", [])))
-    assert float(step(tf.ones([4, 3]), [tf.constant(1.0)])) == 13 and float(step(tf.ones([2, 3]), [tf.constant(0.0)])) == 6
+    total, _, _ = loop.call(batches, tf.constant(3), tf.constant(False))
+    assert float(total) == 30
 
 
 @pytest.mark.slow

@@ -47,6 +47,7 @@ def build_report(physical, logical, gpu_details, gpu_memory_mb, visible_gpus, pl
             "kind": plan.kind,
             "devices": list(plan.devices),
             "replicas": plan.num_replicas,
+            "workers": plan.num_workers,
             "all_reduce": plan.cross_device_ops,
             "parameter_device": plan.parameter_device,
             "reason": plan.reason,

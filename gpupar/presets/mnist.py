@@ -137,7 +137,7 @@ def mnist_run(config: Config, options: MnistOptions, optimizer=None, callbacks=(
     where = options.data_dir or f"TFDS {options.dataset}"
     seed = config.seed
     task = Task(build_model=lambda: build_model(options, seed),
-                train=MnistArrays(load, "train", where, options), evaluation=MnistArrays(load, "test", where, options),
+                train=MnistArrays(load, "train", where, options), validation=MnistArrays(load, "test", where, options),
                 loss=LOSS, metrics=METRICS, optimizer=optimizer, callbacks=tuple(callbacks),
                 signature=options.signature())
     return config, task, modes.checked(config, cluster)

@@ -56,18 +56,25 @@ class Plan:
 
     @property
     def num_replicas(self) -> int:
-        """Replicas in sync; for parameter_server, the workers (each updates on its own)."""
+        """Replicas in sync: whose shares of a batch make one update (1 for parameter_server: each worker's own)."""
         if self.kind == "multi_worker_mirrored":
             return len(self.devices) * self.cluster.num_workers
         if self.kind == "parameter_server":
-            return len(self.cluster.jobs["worker"])
+            return 1
         return len(self.devices)
+
+    @property
+    def num_workers(self) -> int:
+        """Worker tasks that train: a cluster's workers (parameter servers' or in sync), else 1."""
+        if self.kind == "parameter_server":
+            return len(self.cluster.jobs["worker"])
+        return self.cluster.num_workers if self.kind == "multi_worker_mirrored" else 1
 
     def describe(self) -> str:
         """One log line: strategy, devices, replicas and all-reduce."""
         if self.kind == "parameter_server":
             return (
-                f"strategy: ParameterServerStrategy with {self.num_replicas} worker(s) and "
+                f"strategy: ParameterServerStrategy with {self.num_workers} worker(s) and "
                 f"{self.cluster.num_ps} parameter server(s), coordinated by chief:0; updates: "
                 f"asynchronous, variables on the parameter servers; {self.cluster.describe()}; {self.reason}"
             )

@@ -74,7 +74,7 @@ class Checkpoints:
         self.run_global_batch = global_batch
         held = dict(
             **state, epoch=self.epoch, step=self.step, global_batch=self.global_batch,
-            epoch_totals=self.totals, loss_scale=self.loss_scale, random_state=random_state(state["model"]),
+            epoch_totals=self.totals, loss_scale=self.loss_scale, random_state=model_random_state(state["model"]),
             model_signature=tf.Variable(json.dumps(self.signature, sort_keys=True), dtype=tf.string, trainable=False))
         self.exact = ExactResumeState(state.get("step_state", ()))
         self.checkpoint = tf.train.Checkpoint(**held, **self.exact.variables)
@@ -282,7 +282,7 @@ def _global_generator():
     return keras_compat.tf_global_generator()
 
 
-def random_state(model) -> list:
+def model_random_state(model) -> list:
     """The model's random state: its variables that are not weights (Keras: the SeedGenerators' states)."""
     weights = {id(w) for w in model.weights}
     return [v for v in model.variables if id(v) not in weights]

@@ -1,15 +1,18 @@
 """The inner loop: the call that runs K steps of any kind of step inside one tf.function, and what it returns.
 
-Every kind of step (gpupar.training.steps) runs through `steps_in_one_call`: the host reads
-results once per call, never once per step.
+Every kind of step (gpupar.training.steps), training and evaluation, in every mode, runs
+through one InnerLoop: the host reads results once per call, never once per step.
 """
 
 import dataclasses
+import functools
 import logging
 from typing import Mapping, Optional
 
 import numpy as np
 import tensorflow as tf
+
+from gpupar.training.loss import len_rows
 
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -87,111 +90,132 @@ def _add(totals, values):
 
 
 def timed_loop_iterations(on_gpus: bool) -> int:
-    """How many steps the timed loop of steps_in_one_call may have under way at once.
+    """How many steps of a training call may be under way at once (InnerLoop's parallel_iterations).
 
     One on CPUs: a step that starts before the one before it has finished would count that
     step's remaining work as waiting for input (the CPU threads are shared). TensorFlow's
     default, 10, on GPUs, where a step's ops only queue kernels on the devices: the next step's
-    batch and launches need not wait until every op of this one has been issued, as with the
-    untimed loop.
+    batch and launches need not wait until every op of this one has been issued.
     """
     return 10 if on_gpus else 1
 
 
-def steps_in_one_call(batch_step, zeros, timed=False, strategy=None, parallel_iterations=1, combine=None,
-                      reductions=None, state_variables=(), eager=False):
-    """A tf.function(iterator, num_steps) that runs batch_step on num_steps batches in one call.
+class InnerLoop:
+    """The one call that runs K steps of any kind of step inside one tf.function, for every mode.
 
-    batch_step(batch, states) returns (a structure of float32 tensors shaped like `zeros`, the new
-    states); the former come back summed over the steps. With a `strategy`, batch_step is a
-    replica's step: it runs on every replica (strategy.run), each replica keeps its own sums on its
-    device through the call, and the sums are reduced over the replicas once, when the call ends:
-    no step waits for another's numbers to reach the host. With `timed` the function takes a third
-    argument, skip_first_wait (default False), and also returns the seconds spent waiting for
-    input batches and the rest of the call's time (the steps: forward, backward, update), read from
-    in-graph timestamps. A step's wait is the mean over replicas of the time until the replica has
-    its share of the batch (how long a device sits idle for input); skip_first_wait leaves out the
-    wait for the first batch (a fresh pipeline filling up). On a GPU the timestamps are host-side:
-    the call ends when its sums have reached the host. parallel_iterations: steps of the timed loop
-    under way at once (timed_loop_iterations). combine(totals, values) and reductions (a ReduceOp
-    for each part of `zeros`) replace the sums, over steps and over replicas, where a step's
-    results are not sums (a model's own train_step: its last logs, averaged over the replicas).
+    `call(iterator, num_steps, skip_first_wait=False)` runs batch_step on num_steps batches and
+    returns (totals, waited s, busy s). batch_step(batch, states) returns (a structure of float32
+    tensors shaped like `zeros`, the new states); the former come back summed over the steps.
+    With a `strategy`, batch_step is a replica's step: it runs on every replica (strategy.run),
+    each replica keeps its own sums on its device through the call, and the sums are reduced
+    over the replicas once, when the call ends: no step waits for another's numbers to reach the
+    host. combine(totals, values) and reductions (a ReduceOp for each part of `zeros`) replace
+    the sums, over steps and over replicas, where a step's results are not sums (a model's own
+    train_step: its last logs, averaged over the replicas).
+
+    Every call is timed the same way, from in-graph timestamps: `waited` is the seconds spent
+    waiting for input batches (a step's wait is the mean over replicas of the time until the
+    replica has its share of the batch: how long a device sits idle for input), `busy` the rest
+    of the call's time (forward, backward, update). skip_first_wait leaves out the wait for the
+    first batch (a fresh pipeline filling up). On a GPU the timestamps are host-side: the call
+    ends when its sums have reached the host. parallel_iterations: steps under way at once
+    (timed_loop_iterations for training; TensorFlow's default, 10, where nothing reads the wait).
 
     state_variables (Keras variables: the compiled metrics') are read when the call starts; each
     replica carries their values through its steps as `states` and updates them as Keras would
     (gpupar.training.steps.parts.updated_metrics), and when the call ends every variable takes the
-    replicas' states as it declares its aggregation (carried_into). With `eager` the function runs
+    replicas' states as it declares its aggregation (carried_into). With `eager` the call runs
     eagerly, not as a tf.function (Keras' run_eagerly).
+
+    With `jit_compile` each replica's step is one XLA computation. The loop hands the step
+    batches whose first dimension is unknown (an epoch may end in a smaller one); traced on such
+    a batch, XLA compiled the step again for every batch, taking the tensors' values as
+    compile-time constants (the ConvNet on one CPU: 10 steps took 185 s against 3.4 s with the
+    batch's shape known). So with `full_rows` (the rows of a replica's full batch) a full batch
+    is given its static shape and runs the compiled step, and a smaller one (an epoch's last) runs
+    the same step without XLA; full_rows None (replicas get unequal shares): every batch goes to
+    the compiled step as it is.
     """
-    function = (lambda f: f) if eager else tf.function(autograph=False)
-    combine = combine or _add
-    state_variables = list(state_variables)
 
-    def start():
-        begun = [tf.identity(v.value) for v in state_variables]  # read across the replicas, as Keras declares
-        fresh = lambda: (tf.nest.map_structure(lambda z: tf.zeros(np.shape(z), tf.float32), zeros),  # noqa: E731
-                         [tf.identity(value) for value in begun])
-        return (strategy.run(fresh) if strategy is not None else fresh()), begun
+    def __init__(self, batch_step, zeros, strategy=None, parallel_iterations: int = 10, combine=None,
+                 reductions=None, state_variables=(), eager: bool = False, jit_compile: bool = False,
+                 full_rows: Optional[int] = None):
+        self.batch_step, self.zeros, self.strategy = batch_step, zeros, strategy
+        self.parallel_iterations, self.combine = parallel_iterations, combine or _add
+        self.reductions = reductions if reductions is not None else tf.nest.map_structure(lambda _: SUM, zeros)
+        self.state_variables, self.full_rows = list(state_variables), full_rows
+        self.compiled = tf.function(batch_step, jit_compile=True, autograph=False) if jit_compile else None
+        # No autograph (as Keras' own train function): the loop is written as tf.while_loop, and
+        # converting gpupar's step code with autograph cost each fresh process seconds of tracing.
+        self.call = self.steps_in_one_call if eager else tf.function(self.steps_in_one_call, autograph=False)
 
-    def replica_step(carried, batch):
-        totals, states = carried
-        values, states = batch_step(batch, states)
-        # A metric's update may lose its state's static shape (Keras 3.10's F1Score): the loop keeps it.
-        return combine(totals, values), [tf.reshape(s, v.shape) for s, v in zip(states, state_variables)]
-
-    def step(carried, batch):
-        if strategy is None:
-            return replica_step(carried, batch)
-        return strategy.run(replica_step, args=(carried, batch))
-
-    def reduced(carried, begun):
-        totals, states = carried
-        carried_into(state_variables, begun, states, strategy)
-        if strategy is None:
-            return totals
-        ops = reductions if reductions is not None else tf.nest.map_structure(lambda _: SUM, zeros)
-        return tf.nest.map_structure(lambda op, value: strategy.reduce(op, value, axis=None), ops, totals)
-
-    # No autograph (as Keras' own train function): the loops are written as tf.while_loop, and
-    # converting gpupar's step code with autograph cost each fresh process seconds of tracing.
-    @function
-    def run(iterator, num_steps):
-        def body(i, carried):
-            return i + 1, step(carried, next(iterator))
-
-        first, begun = start()
-        _, carried = tf.while_loop(lambda i, _: i < num_steps, body, (tf.constant(0), first))
-        return reduced(carried, begun)
-
-    @function
-    def timed_run(iterator, num_steps, skip_first_wait=False):
-        def body(i, carried, waited):
-            # On CPUs one iteration at a time, so a step asks for its batch once the one before it
-            # has finished, update included: the while loop would otherwise start the next
-            # iteration's ops early, and the rest of a step on another replica would count as
-            # waiting. On GPUs the iterations may overlap (timed_loop_iterations).
-            with tf.control_dependencies([waited]):
-                asked = tf.timestamp()
-            with tf.control_dependencies([asked]):
-                batch = next(iterator)
-            arrived = _mean_arrival(batch)
-            carried = step(carried, batch)
-            counted = tf.logical_not(tf.logical_and(skip_first_wait, tf.equal(i, 0)))
-            return i + 1, carried, waited + tf.where(counted, arrived - asked, tf.constant(0.0, tf.float64))
-
+    def steps_in_one_call(self, iterator, num_steps, skip_first_wait=False):
+        """(totals, waited s, busy s) of num_steps steps on batches from `iterator`."""
         began = tf.timestamp()
-        first, begun = start()
-        _, carried, waited = tf.while_loop(lambda i, *_: i < num_steps, body,
+        begun = [tf.identity(v.value) for v in self.state_variables]  # read across the replicas, as Keras declares
+        first = self.strategy.run(self._fresh, args=(begun,)) if self.strategy is not None else self._fresh(begun)
+        # On CPUs one iteration at a time (timed_loop_iterations), so a step asks for its batch once
+        # the one before it has finished, update included: the while loop would otherwise start the
+        # next iteration's ops early, and the rest of a step on another replica would count as waiting.
+        _, carried, waited = tf.while_loop(lambda i, *_: i < num_steps,
+                                           functools.partial(self._step, iterator, skip_first_wait),
                                            (tf.constant(0), first, tf.constant(0.0, tf.float64)),
-                                           parallel_iterations=parallel_iterations)
-        totals = reduced(carried, begun)
+                                           parallel_iterations=self.parallel_iterations)
+        totals, states = carried
+        carried_into(self.state_variables, begun, states, self.strategy)
+        if self.strategy is not None:
+            totals = tf.nest.map_structure(lambda op, value: self.strategy.reduce(op, value, axis=None),
+                                           self.reductions, totals)
         with tf.device("/cpu:0"):
             on_host = [tf.identity(t) for t in tf.nest.flatten(totals)]
         with tf.control_dependencies([*on_host, waited]):
             ended = tf.timestamp()
         return totals, waited, ended - began - waited
 
-    return timed_run if timed else run
+    def _step(self, iterator, skip_first_wait, i, carried, waited):
+        """One iteration of the loop: the next batch, its wait, the step on every replica."""
+        with tf.control_dependencies([waited]):
+            asked = tf.timestamp()
+        with tf.control_dependencies([asked]):
+            batch = next(iterator)
+        arrived = _mean_arrival(batch)
+        if self.strategy is None:
+            carried = self._replica_step(carried, batch)
+        else:
+            carried = self.strategy.run(self._replica_step, args=(carried, batch))
+        counted = tf.logical_not(tf.logical_and(skip_first_wait, tf.equal(i, 0)))
+        return i + 1, carried, waited + tf.where(counted, arrived - asked, tf.constant(0.0, tf.float64))
+
+    def _replica_step(self, carried, batch):
+        """One replica's step: its sums and states carried on, the step compiled by XLA where asked."""
+        totals, states = carried
+        if self.compiled is None:
+            values, states = self.batch_step(batch, states)
+        elif self.full_rows is None:
+            values, states = self.compiled(batch, states)
+        else:
+            values, states = tf.cond(tf.equal(len_rows(batch), self.full_rows),
+                                     lambda: self.compiled(_with_rows(batch, self.full_rows), states),
+                                     lambda: self.batch_step(batch, states))
+        # A metric's update may lose its state's static shape (Keras 3.10's F1Score): the loop keeps it.
+        return self.combine(totals, values), [tf.reshape(s, v.shape) for s, v in zip(states, self.state_variables)]
+
+    def _fresh(self, begun):
+        """A replica's sums at zero and its states as the call began."""
+        return (tf.nest.map_structure(lambda z: tf.zeros(np.shape(z), tf.float32), self.zeros),
+                [tf.identity(value) for value in begun])
+
+
+def _with_rows(batch, rows: int):
+    """The batch with its first dimension said to be `rows` (the branch runs only on such a batch: not checked again)."""
+    def static(t):
+        if not isinstance(t, tf.Tensor):
+            return t
+        known = tf.identity(t)
+        known.set_shape([rows, *t.shape[1:]])
+        return known
+
+    return tf.nest.map_structure(static, batch)
 
 
 def carried_into(variables, begun, states, strategy=None):

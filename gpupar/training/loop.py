@@ -140,7 +140,7 @@ class Loop:
         trainer = self.trainer
         updates_before = int(trainer.updates.numpy()) if self.skips else 0
         self.observers.on_call_begin(self.done, current.asked)
-        results = trainer.run_steps(self.input, num_steps, self.done == 0)
+        results = trainer.calls.run(self.input, num_steps, self.done == 0)
         self.done += num_steps
         # The update counter stands still on a skipped step.
         skipped = results.steps - (int(trainer.updates.numpy()) - updates_before) if self.skips else 0

@@ -20,7 +20,8 @@ from gpupar import keras_compat
 from gpupar.errors import GpuparError
 from gpupar.models.layers import replica_consistent_state
 from gpupar.training.inner_loop import unpack
-from gpupar.training.steps.own import has_own_step, optimizers_of
+from gpupar.training.steps import step_kind
+from gpupar.training.steps.own import optimizers_of
 
 log = logging.getLogger("gpupar")
 
@@ -36,8 +37,6 @@ class Compiled:
       jit_compile: compile's jit_compile, resolved by Keras (False on a machine without accelerators).
       run_eagerly: compile's run_eagerly: Keras' debugging mode, every step run eagerly.
       by_user: Whether the model came compiled from model_fn.
-      own_step: Whether the model's own train_step trains it (gpupar.training.steps.own); its compile
-        says only the optimizer (its own, used as it is), steps_per_execution and jit_compile.
     """
 
     optimizer: Any = None
@@ -49,18 +48,43 @@ class Compiled:
     jit_compile: bool = False
     by_user: bool = False
     run_eagerly: bool = False
-    own_step: bool = False
 
 
-def compile_arguments(model, task) -> Compiled:
+@dataclasses.dataclass(frozen=True)
+class BuiltModel:
+    """A run's model and optimizers, made by model_and_optimizer.
+
+    Attributes:
+      model: The Keras model, built and compiled under the placement.
+      placement: The placement it trains under (a model given built outside any strategy, on one
+        device: TensorFlow's default strategy).
+      compiled: Its Compiled arguments.
+      kind: The kind of step that trains it (gpupar.training.steps.StepKind).
+      variables: The variables the optimizer updates (the trainable ones, or their shards).
+      optimizer: The optimizer whose state checkpoints hold (inside any loss-scale wrapper).
+      update_optimizer: What applies the updates: the optimizer, or a loss-scale optimizer around it.
+    """
+
+    model: Any
+    placement: Any
+    compiled: Compiled
+    kind: Any
+    variables: Any
+    optimizer: Any
+    update_optimizer: Any
+
+
+def compile_arguments(model, task, kind) -> Compiled:
     """The model's compile() arguments where model_fn compiled it, else gpupar.fit's loss, metrics and optimizer.
+
+    A model whose own step applies its updates (kind.own_update) must come compiled: its compile
+    says only the optimizer (its own, used as it is), steps_per_execution and jit_compile.
 
     Raises:
       GpuparError: a compiled model and fit's own loss, metrics or optimizer too.
     """
-    own_step = has_own_step(model)
     if not getattr(model, "compiled", False):
-        if own_step:
+        if kind.own_update:
             raise GpuparError(f"{type(model).__name__} has its own train_step and is not compiled; compile it in "
                               "model_fn as before model.fit (its step uses what compile gives it)")
         return Compiled(task.optimizer, task.loss, metrics=task.metrics)
@@ -71,79 +95,63 @@ def compile_arguments(model, task) -> Compiled:
     settings = keras_compat.compile_settings(model)
     return Compiled(model.optimizer, model.loss, settings.get("loss_weights"), settings.get("metrics"),
                     settings.get("weighted_metrics"), int(model.steps_per_execution or 1), bool(model.jit_compile),
-                    by_user=True, own_step=own_step, run_eagerly=bool(model.run_eagerly))
+                    by_user=True, run_eagerly=bool(model.run_eagerly))
 
 
-def _checked_own_step(model, mode, step):
-    """The model, unless it has its own train_step and the mode or the step options cannot run it: one line, its class.
+def model_and_optimizer(options, task, mode, placement, train) -> BuiltModel:
+    """The run's model, its kind of step and its optimizers (BuiltModel).
 
-    Asked as soon as model_fn returns, before a mode's own checks of the model.
-    """
-    if not has_own_step(model):
-        return model
-    name = type(model).__name__
-    if not mode.takes_own_step:
-        raise GpuparError(f"{name} has its own train_step, which the {mode.name} mode cannot run (its step is "
-                          "gpupar's, split over stages or workers); train it with strategy=mirrored, one_device, "
-                          "central_storage or multi_worker_mirrored")
-    if step.accumulate_steps > 1:
-        raise GpuparError(f"{name} has its own train_step, which applies its own updates: accumulate_steps="
-                          f"{step.accumulate_steps} cannot add up its gradients; use accumulate_steps=1 (or accumulate "
-                          "in the step)")
-    if step.nan_policy == "skip":
-        raise GpuparError(f"{name} has its own train_step, which applies its own updates: nan_policy=skip cannot drop "
-                          "them; use nan_policy=stop (training stops at a non-finite log, the last checkpoint kept)")
-    if step.precision == "mixed_float16":
-        raise GpuparError(f"{name} has its own train_step, whose optimizers do not scale the loss as mixed_float16 "
-                          "needs; use precision=mixed_bfloat16 or float32, or wrap them in "
-                          "keras.optimizers.LossScaleOptimizer in the model and keep precision=float32")
-    return model
-
-
-def model_and_optimizer(step, task, mode, placement, train):
-    """(model, placement, its Compiled arguments, variables updated, optimizer, optimizer that applies updates).
-
-    All are made under the placement's scope, the model's layers in the run's dtype policy. A
-    model given built keeps its optimizer (and so its state from an earlier fit) where it trains
-    as it is (_given_model); the placement is then the one it trains under. The model ends
-    compiled with the optimizer that applies the updates, and built as Keras' fit builds it.
+    All are made under the placement's scope, the model's layers in the run's dtype policy. The
+    kind of step is chosen as soon as the model exists (its refusals before a mode's own checks
+    of the model). A model given built keeps its optimizer (and so its state from an earlier
+    fit) where it trains as it is (_given_model); the placement is then the one it trains under.
+    The model ends compiled with the optimizer that applies the updates, and built as Keras' fit
+    builds it.
     """
     previous_policy = keras.config.dtype_policy()
-    if step.precision != "float32":
-        keras.config.set_dtype_policy(step.precision)  # the user's layers compute in 16 bits, weights stay float32
+    if options.precision != "float32":
+        keras.config.set_dtype_policy(options.precision)  # the user's layers compute in 16 bits, weights stay float32
     try:
         model, moved = task.model, False
         if model is not None:
-            placement, moved = _given_model(model, mode, placement, step)
+            placement, moved = _given_model(model, mode, placement, options)
         with placement.strategy.scope():
             with replica_consistent_state():  # the model's state only: the optimizer's keeps Keras' aggregation
                 if model is None:
-                    model = mode.build_model(lambda: _checked_own_step(task.build_model(), mode, step), placement)
+                    model = mode.build_model(lambda: _kind_checked(task.build_model(), mode, placement, options),
+                                             placement)
                 elif moved:
                     keras_compat.move_variables(model, placement.strategy)
-            compiled = compile_arguments(model, task)
-            if compiled.own_step and not moved:
+            kind = step_kind(model, mode, placement, options)
+            compiled = compile_arguments(model, task, kind)
+            if kind.own_update and not moved:
                 inner = applied = compiled.optimizer  # its own, built on the model's variables as model.fit builds it
             elif task.model is not None and compiled.by_user and not moved:
-                inner, applied = _kept_optimizer(model.optimizer, step)
+                inner, applied = _kept_optimizer(model.optimizer, options)
             else:  # a fresh one: from model_fn's compile, fit's arguments, or a moved model's compile
-                inner = _optimizer(compiled.optimizer, step.learning_rate, used=task.model is not None)
-                applied = _loss_scaled(inner, step)
+                inner = _optimizer(compiled.optimizer, options.learning_rate, used=task.model is not None)
+                applied = _loss_scaled(inner, options)
             with replica_consistent_state():  # the compiled metrics' variables
-                _compiled_for_the_run(model, compiled, applied, recompiled=moved)
+                _compiled_for_the_run(model, compiled, applied, recompiled=moved and not kind.own_update)
             sample = train.sample()
-            if not compiled.own_step:
+            if not kind.own_update:
                 _check_labels_given(compiled, sample)
             with replica_consistent_state():  # the variables of a model without an Input, made by Keras' build
-                _built(model, sample, compiled.own_step)
-            updated, split = (model.trainable_variables, []) if compiled.own_step else mode.updated_variables(model)
+                _built(model, sample, lenient=kind.own_update)
+            updated, split = (model.trainable_variables, []) if kind.own_update else mode.updated_variables(model)
             if applied is not None and not applied.built:
                 applied.build(updated)  # each slot variable is placed beside its variable
     finally:
         keras.config.set_dtype_policy(previous_policy)
     for line in split:
         log.info("variable %s", line)
-    return model, placement, compiled, updated, inner, applied
+    return BuiltModel(model, placement, compiled, kind, updated, inner, applied)
+
+
+def _kind_checked(model, mode, placement, options):
+    """The model model_fn returned, once a kind of step can train it here (step_kind's refusal, one line, else)."""
+    step_kind(model, mode, placement, options)
+    return model
 
 
 def _check_labels_given(compiled: Compiled, sample):
@@ -157,10 +165,10 @@ def _check_labels_given(compiled: Compiled, sample):
         raise GpuparError("the metrics need labels, but there is no y: pass y, or no metrics")
 
 
-def _built(model, sample, own_step: bool):
+def _built(model, sample, lenient: bool):
     """Builds the model, its compiled metrics and loss as Keras' fit does (keras_compat.symbolic_build).
 
-    A model with its own train_step that Keras cannot build so (a compiled loss it never uses, on
+    lenient: a model with its own train_step that Keras cannot build so (a compiled loss it never uses, on
     data without labels; no call() to build its compiled metrics with) is left to build itself
     when its step is first traced, as Keras' fit leaves a model made outside any strategy.
 
@@ -170,7 +178,7 @@ def _built(model, sample, own_step: bool):
     try:
         keras_compat.symbolic_build(model, sample)
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
-        if own_step:
+        if lenient:
             return
         raise GpuparError(f"Keras could not build {model.name} ({type(model).__name__}) on the training data's first "
                           f"batch: {type(e).__name__}: {_first_line(e)}") from e
@@ -190,7 +198,7 @@ def _compiled_for_the_run(model, compiled: Compiled, applied, recompiled: bool):
     the optimizer made again). One that did not is compiled with fit's loss and metrics, as the
     user would compile it.
     """
-    if compiled.by_user and (not recompiled or compiled.own_step):
+    if compiled.by_user and not recompiled:
         model.optimizer = applied  # where Keras' callbacks (ReduceLROnPlateau, LearningRateScheduler) look for it
         return
     model.compile(optimizer=applied, loss=compiled.loss, loss_weights=compiled.loss_weights,
@@ -210,7 +218,7 @@ def _fresh(metrics):
     return metrics
 
 
-def _given_model(model, mode, placement, step):
+def _given_model(model, mode, placement, options):
     """(the placement the given model trains under, whether its variables must move under the strategy first).
 
     A model built under the run's strategy trains as it is (so does one whose variables an
@@ -227,10 +235,10 @@ def _given_model(model, mode, placement, step):
     if not mode.takes_built_model:
         raise GpuparError(f"strategy={mode.name} places the variables as it builds the model; pass a function that "
                           "builds and compiles it: gpupar.fit(model_fn, ...)")
-    _checked_own_step(model, mode, step)
-    if step.precision != "float32":
-        raise GpuparError(f"precision={step.precision} sets the dtype policy of the layers gpupar builds, and this "
-                          f"model is built already: call keras.config.set_dtype_policy({step.precision!r}) before "
+    kind = step_kind(model, mode, placement, options)
+    if options.precision != "float32":
+        raise GpuparError(f"precision={options.precision} sets the dtype policy of the layers gpupar builds, and this "
+                          f"model is built already: call keras.config.set_dtype_policy({options.precision!r}) before "
                           "building it (and drop precision)")
     made_under = strategy_of(model)
     if made_under is placement.strategy:
@@ -241,7 +249,7 @@ def _given_model(model, mode, placement, step):
                           "options")
     if placement.replicas == 1 and placement.workers == 1 and len(placement.devices) == 1:
         return dataclasses.replace(placement, strategy=tf.distribute.get_strategy()), False
-    if has_own_step(model) and [o for o in optimizers_of(model) if o is not model.optimizer]:
+    if kind.own_update and [o for o in optimizers_of(model) if o is not model.optimizer]:
         # Optimizers of its own, made outside, would apply their updates under no strategy.
         raise GpuparError(f"{model.name} ({type(model).__name__}) has its own train_step and optimizers of its own, "
                           "made outside any strategy; build and compile it under the strategy: strategy = "
@@ -257,7 +265,7 @@ def strategy_of(model):
     return keras_compat.strategy_of(model)
 
 
-def _kept_optimizer(optimizer, step):
+def _kept_optimizer(optimizer, options):
     """(the optimizer checkpoints hold, the one that applies updates) of a built model's own optimizer, kept as it is.
 
     Its state carries over from fit to fit, as Keras' does; a loss-scale optimizer (compile's,
@@ -265,7 +273,7 @@ def _kept_optimizer(optimizer, step):
     """
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer.inner_optimizer, optimizer
-    return optimizer, _loss_scaled(optimizer, step)
+    return optimizer, _loss_scaled(optimizer, options)
 
 
 def _optimizer(given, learning_rate: float, used: bool = False):
@@ -301,10 +309,10 @@ def _optimizer(given, learning_rate: float, used: bool = False):
     return made
 
 
-def _loss_scaled(inner, step):
-    if step.precision == "mixed_float16":  # scales the loss so float16 gradients neither vanish nor overflow
+def _loss_scaled(inner, options):
+    if options.precision == "mixed_float16":  # scales the loss so float16 gradients neither vanish nor overflow
         return keras.optimizers.LossScaleOptimizer(inner)
-    if step.nan_policy == "skip":
+    if options.nan_policy == "skip":
         # Keras' loss-scale optimizer is what skips non-finite steps. Its scale starts at 1, halves
         # on a skipped step (the engine puts it back to 1 after every call) and never grows; powers
         # of two scale float32 exactly.

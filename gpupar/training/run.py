@@ -84,46 +84,80 @@ def _train(config: Config, task: Task, mode) -> FitResult:
                 scratch = held.enter_context(multi_worker.ScratchDir(cluster, outputs.model_dir, outputs.save)).path
                 outputs = multi_worker.worker_outputs(outputs, cluster)
                 stop = multi_worker.AgreedStop(stop, trainer.strategy)  # every worker stops after the same step
-        return _run(config, outputs, trainer, task, stop, cluster, scratch, started)
+        return Run(config, task, trainer, outputs, cluster, stop, scratch, started).train()
 
 
-def _run(config: Config, outputs, trainer, task, stop, cluster, scratch_dir, started) -> FitResult:
-    checkpoints = Checkpoints(outputs.model_dir, trainer.state(), outputs.max_to_keep, trainer.global_batch,
-                              trainer.signature, outputs.save, trainer.loss_scale)
-    saved_at = checkpoints.restore(outputs.resume)
-    if scratch_dir is not None:
-        checkpoints.write_to(scratch_dir)  # a non-chief worker: it restores the chief's, keeps nothing
-    start = saved_at.rebatched(trainer.global_batch, trainer.steps_per_epoch)
-    if (start.epoch, start.step) == (0, 0) and config.loop.initial_epoch:
-        start = Position(config.loop.initial_epoch)  # model.fit's initial_epoch, where no checkpoint says otherwise
-    if start.step != saved_at.step:
-        log.info("the checkpoint is %d steps of %d into epoch %d; with %d steps of %d per epoch now, this run "
-                 "continues at step %d, on a data order of its own", saved_at.step, saved_at.global_batch,
-                 saved_at.epoch, trainer.steps_per_epoch, trainer.global_batch, start.step)
-    if trainer.learning_rate is not None:
-        trainer.optimizer.learning_rate.assign(trainer.learning_rate)  # the checkpoint's value would win otherwise
+class Run:
+    """One run from its restore to its result: what the loop drives, and everything around it (Orbit's Controller).
 
-    def result(history, logs):
+    It owns the run's state from start to exit: the Trainer, its outputs, the cluster, the stop
+    requests, a non-chief worker's scratch folder, the checkpoints, the position training starts
+    at and the observers. `train()` restores, runs the loop, and writes and exports the result.
+
+    Attributes:
+      config: The run's options.
+      task: What it trains.
+      trainer: The Trainer (gpupar.training.setup.build_trainer).
+      outputs: Where it writes (gpupar.training.outputs), a worker's own in a synchronous cluster.
+      cluster: The cluster, or None.
+      stop: The stop requests (gpupar.training.interrupt.StopRequests, or a cluster's agreed stop).
+      scratch_dir: Where a non-chief worker of a synchronous cluster writes what it must and keeps nothing, or None.
+      started: time.perf_counter() when the run began, for its total time.
+      checkpoints: Its Checkpoints.
+    """
+
+    def __init__(self, config: Config, task: Task, trainer, outputs, cluster, stop, scratch_dir, started: float):
+        self.config, self.task, self.trainer, self.outputs = config, task, trainer, outputs
+        self.cluster, self.stop, self.scratch_dir, self.started = cluster, stop, scratch_dir, started
+        self.checkpoints = Checkpoints(outputs.model_dir, trainer.state(), outputs.max_to_keep, trainer.global_batch,
+                                       trainer.signature, outputs.save, trainer.loss_scale)
+        self.start = Position()
+
+    def restore(self) -> Position:
+        """Restores the latest checkpoint (as outputs.resume says); the position training starts at."""
+        trainer, outputs = self.trainer, self.outputs
+        saved_at = self.checkpoints.restore(outputs.resume)
+        if self.scratch_dir is not None:
+            self.checkpoints.write_to(self.scratch_dir)  # a non-chief worker: it restores the chief's, keeps nothing
+        start = saved_at.rebatched(trainer.global_batch, trainer.steps_per_epoch)
+        if (start.epoch, start.step) == (0, 0) and self.config.loop.initial_epoch:
+            start = Position(self.config.loop.initial_epoch)  # model.fit's initial_epoch, where no checkpoint says else
+        if start.step != saved_at.step:
+            log.info("the checkpoint is %d steps of %d into epoch %d; with %d steps of %d per epoch now, this run "
+                     "continues at step %d, on a data order of its own", saved_at.step, saved_at.global_batch,
+                     saved_at.epoch, trainer.steps_per_epoch, trainer.global_batch, start.step)
+        if trainer.learning_rate is not None:
+            trainer.optimizer.learning_rate.assign(trainer.learning_rate)  # the checkpoint's value would win otherwise
+        return start
+
+    def result(self, history, logs) -> FitResult:
+        """The FitResult of the epochs in `history`, with `logs` as its final logs."""
+        trainer = self.trainer
         return FitResult(
             model=trainer.model, strategy=trainer.strategy, records=list(history), logs=logs,
-            total_seconds=time.perf_counter() - started, strategy_description=trainer.description,
-            replicas=trainer.replicas, global_batch=trainer.global_batch, start_epoch=start.epoch,
-            checkpoint=checkpoints.latest, history=_keras_history(trainer.model), workers=trainer.placement.workers)
+            total_seconds=time.perf_counter() - self.started, strategy_description=trainer.description,
+            replicas=trainer.replicas, global_batch=trainer.global_batch, start_epoch=self.start.epoch,
+            checkpoint=self.checkpoints.latest, history=_keras_history(trainer.model), workers=trainer.placement.workers)
 
-    observers = _observers(config, outputs, trainer, task,
-                           lambda history: result(history, dict(history[-1].logs)).write_json(outputs.metrics_json))
-    with contextlib.closing(observers), _lost_peers_explained(cluster, checkpoints), input_errors():
-        loop = Loop(trainer, config.loop, checkpoints, observers, config.step.nan_policy)
-        history = loop.run(start, stop)
-    final = result(history, dict(history[-1].logs) if history else _final_evaluation(trainer))
-    log.info("Final: %s; total time: %.1f s", format_logs(final.logs) or "no evaluation data", final.total_seconds)
-    if outputs.metrics_json:
-        final.write_json(outputs.metrics_json)
-    if outputs.export_path and (cluster is None or cluster.is_chief):
-        final.save(outputs.export_path)
-        log.info("exported the model to %s (keras.models.load_model reads it)", outputs.export_path)
-    log.info(describe_outputs(outputs, checkpoints.latest))
-    return final
+    def train(self) -> FitResult:
+        """Restores, trains to the last epoch, then writes the metrics file and the export; the FitResult."""
+        trainer, outputs, config = self.trainer, self.outputs, self.config
+        self.start = self.restore()
+        observers = _observers(config, outputs, trainer, self.task,
+                               lambda history: self.result(history, dict(history[-1].logs)).write_json(
+                                   outputs.metrics_json))
+        with contextlib.closing(observers), _lost_peers_explained(self.cluster, self.checkpoints), input_errors():
+            loop = Loop(trainer, config.loop, self.checkpoints, observers, config.step_options.nan_policy)
+            history = loop.run(self.start, self.stop)
+        final = self.result(history, dict(history[-1].logs) if history else _final_evaluation(trainer))
+        log.info("Final: %s; total time: %.1f s", format_logs(final.logs) or "no evaluation data", final.total_seconds)
+        if outputs.metrics_json:
+            final.write_json(outputs.metrics_json)
+        if outputs.export_path and (self.cluster is None or self.cluster.is_chief):
+            final.save(outputs.export_path)
+            log.info("exported the model to %s (keras.models.load_model reads it)", outputs.export_path)
+        log.info(describe_outputs(outputs, self.checkpoints.latest))
+        return final
 
 
 def _keras_history(model) -> dict:
@@ -153,7 +187,7 @@ def _observers(config: Config, outputs, trainer, task, write_metrics) -> Observe
     if outputs.log_dir:
         observers.append(TensorBoardScalars(outputs.log_dir))
     if verbose != 0 and not bar:
-        observers.append(ProgressLog(show_examples=config.step.accumulate_steps > 1))
+        observers.append(ProgressLog(show_examples=config.step_options.accumulate_steps > 1))
     observers.append(InputWaitMonitor(config.input, task.train.input_bound_hints(), trainer.on_gpus,
                                       virtual_cpus=trainer.replicas > 1 and not trainer.on_gpus))
     sampler = utilisation.start_sampler(trainer.visible_gpus, log)

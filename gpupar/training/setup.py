@@ -1,8 +1,9 @@
 """One run's set-up, whatever the mode: devices, placement, data, model, optimizer, step; the Trainer, made once.
 
 `build_trainer` does the set-up that every mode shares, in one place, handing each part of the
-Config to the layer that reads it and asking the mode (gpupar.training.modes) for its parts:
-the placement, the model's build, the step, the calls, the input and the evaluation. Training
+Config to the layer that reads it, asking the mode (gpupar.training.modes) for its parts (the
+placement, the model's build, the calls, the input and the evaluation) and the model's kind of
+step (gpupar.training.steps) for the step. Training
 (gpupar.training.run) and `gpupar diagnose` build the same Trainer, so diagnose measures the
 step and the pipeline that training would run.
 """
@@ -18,9 +19,8 @@ from gpupar.models.layers import fall_back_from_xla, global_seed_generator, xla_
 from gpupar.runtime.devices import configure_devices
 from gpupar.runtime.precision import PrecisionPlan, machine_precision
 from gpupar import keras_compat
-from gpupar.training.loss import checked_reductions, resolved
 from gpupar.training.model_setup import Compiled, model_and_optimizer
-from gpupar.training.steps.own import own_step_note
+from gpupar.training.steps import StepRequest
 from gpupar.training.steps.parts import finite_check
 from gpupar.training.trainer import Trainer
 
@@ -42,7 +42,7 @@ def build_trainer(config, task, mode, cluster=None) -> Trainer:
     Raises:
       GpuparError: bad devices, data, model, loss or metrics, found before any training step.
     """
-    step_options, loop = config.step, config.loop
+    step_options, loop = config.step_options, config.loop
     mode.refuse_task(task)
     _refuse_accumulation(task.train, step_options)
     devices, placement = _placed(config.device_setup, cluster, task, mode)
@@ -53,19 +53,19 @@ def build_trainer(config, task, mode, cluster=None) -> Trainer:
     if task.seeded:
         keras.utils.set_random_seed(config.seed)
 
-    train, evaluation = task.train, task.evaluation
-    for adapter in (train, evaluation):
+    train, validation = task.train, task.validation
+    for adapter in (train, validation):
         if adapter is not None:
             adapter.prepare(config.input, config.seed)
-    log.info("data: %s%s", train.description, f"; evaluation: {evaluation.description}" if evaluation else "")
+    log.info("data: %s%s", train.description, f"; evaluation: {validation.description}" if validation else "")
     if train.resume_note and config.outputs.resume is not False:
         log.info("resume: %s", train.resume_note)
     per_step = train.batch_size(config.input, placement.replicas)
     global_batch = per_step * step_options.accumulate_steps  # examples per update
     steps_per_epoch = _steps_per_epoch(loop, train, global_batch, placement)
     eval_batch = config.input.validation_batch_size or per_step
-    model, placement, compiled, variables, optimizer, update_optimizer = model_and_optimizer(
-        step_options, task, mode, placement, train)
+    built = model_and_optimizer(step_options, task, mode, placement, train)
+    model, placement, compiled, optimizer = built.model, built.placement, built.compiled, built.optimizer
     keras_seeds = global_seed_generator(placement.strategy)  # unseeded keras.random draws, shared by the replicas
     step_options, loop = _with_compile_options(step_options, loop, compiled)
     step_options = _jit_resolved(step_options, model, mode.jit_refusal(placement))
@@ -73,31 +73,27 @@ def build_trainer(config, task, mode, cluster=None) -> Trainer:
         log.warning("XLA could not compile the batch norm on %s, so it runs as Keras' BatchNormalization (the same "
                     "variables, slower): CUDA's ptxas and libdevice are missing; pip install 'tensorflow[and-cuda]' "
                     "brings them", placement.devices[0])
-    if compiled.own_step:
-        step = mode.own_step(model, train, evaluation, placement, global_batch, eval_batch,
-                             config.input.validation_steps, step_options.jit_compile)
-        log.info(own_step_note(model))
-    else:
-        checked_reductions(model)
-        _check_labels(model, train)
-        step = mode.step(model, optimizer, update_optimizer, variables, step_options, placement)
+    step = built.kind.build(StepRequest(model, optimizer, built.update_optimizer, built.variables, step_options, mode,
+                                        placement, train, validation, global_batch, eval_batch,
+                                        config.input.validation_steps))
     step.run_eagerly = compiled.run_eagerly
     _log_batch(per_step, placement, step_options, train)
     _log_step_options(step_options)
     steps_per_call = _steps_per_call(loop, mode, steps_per_epoch)
     return Trainer(
         placement=placement, model=model, optimizer=optimizer,
-        loss_scale=update_optimizer if _scales_the_loss(update_optimizer, step_options) else None, step=step,
+        loss_scale=built.update_optimizer if _scales_the_loss(built.update_optimizer, step_options) else None,
+        step=step,
         calls=mode.calls(step, placement, None if per_step % placement.replicas else per_step // placement.replicas),
         make_input=mode.make_input(train, placement, global_batch),
-        evaluate=mode.evaluation(step, evaluation, placement, eval_batch, config.input.validation_steps,
+        evaluate=mode.make_evaluate(step, validation, placement, eval_batch, config.input.validation_steps,
                                  steps_per_call),
         weights_finite=finite_check(model), global_batch=global_batch, steps_per_epoch=steps_per_epoch,
         steps_per_call=steps_per_call,
         signature=task.signature or _signature(model),
         learning_rate=None if compiled.optimizer is not None else step_options.learning_rate,
         visible_gpus=devices.visible_gpus,
-        random_state=(keras_seeds.state,), variables=variables)
+        global_random_state=(keras_seeds.state,), variables=built.variables)
 
 
 def _scales_the_loss(optimizer, step_options) -> bool:
@@ -202,76 +198,42 @@ def _steps_per_epoch(loop, train, global_batch: int, placement) -> int:
     return steps
 
 
-def _with_compile_options(step, loop, compiled: Compiled):
+def _with_compile_options(options, loop, compiled: Compiled):
     """(StepOptions, LoopOptions) with compile's jit_compile and steps_per_execution, where the options leave them.
 
     run_eagerly, Keras' debugging mode, runs one step per call, without XLA, as model.fit does.
     """
     if compiled.run_eagerly:
-        return dataclasses.replace(step, jit_compile=False), dataclasses.replace(loop, steps_per_call=1)
-    if compiled.jit_compile and not step.jit_compile:
-        step = dataclasses.replace(step, jit_compile=True)
+        return dataclasses.replace(options, jit_compile=False), dataclasses.replace(loop, steps_per_call=1)
+    if compiled.jit_compile and not options.jit_compile:
+        options = dataclasses.replace(options, jit_compile=True)
     if compiled.steps_per_execution > 1 and loop.steps_per_call is None:
         loop = dataclasses.replace(loop, steps_per_call=compiled.steps_per_execution)
-    return step, loop
+    return options, loop
 
 
-def _log_batch(per_step: int, placement, step, train):
+def _log_batch(per_step: int, placement, options, train):
     """The batch line: the global batch, what each replica gets, and the examples of an update."""
     replicas = placement.replicas
     share = f"{per_step // replicas} per replica on {replicas} replicas" if replicas > 1 else "on one replica"
     if per_step % replicas:
         share = f"about {per_step / replicas:.1f} per replica on {replicas} replicas"
     own = f" ({train.form}'s own batches)" if train.own_batches else ""
-    update = f"; {per_step * step.accumulate_steps} per update ({step.accumulate_steps} accumulated)" if \
-        step.accumulate_steps > 1 else ""
+    update = f"; {per_step * options.accumulate_steps} per update ({options.accumulate_steps} accumulated)" if \
+        options.accumulate_steps > 1 else ""
     log.info("batch: %d examples per step%s, %s%s", per_step, own, share, update)
 
 
-def _log_step_options(step):
+def _log_step_options(options):
     """One line for each option that changes the step: accumulation, precision and XLA."""
-    if step.accumulate_steps > 1:
+    if options.accumulate_steps > 1:
         log.info("accumulation: each update adds the gradients of %d micro-batches, one after another, then "
-                 "all-reduces once: one step on their whole batch", step.accumulate_steps)
-    if step.precision != "float32" or step.jit_compile:
-        log.info("step: %s%s", step.precision, ", compiled with XLA" if step.jit_compile else "")
+                 "all-reduces once: one step on their whole batch", options.accumulate_steps)
+    if options.precision != "float32" or options.jit_compile:
+        log.info("step: %s%s", options.precision, ", compiled with XLA" if options.jit_compile else "")
 
 
 def _signature(model) -> dict:
     """What a checkpoint records of a model it did not get a preset's options for (Keras numbers its names)."""
     parameters = sum(int(np.prod(weight.shape)) for weight in model.weights)  # count_params() needs a built model
     return {"model": type(model).__name__, "variables": len(model.weights), "parameters": parameters}
-
-
-def _check_labels(model, train):
-    """Refuses integer labels outside a sparse cross-entropy's classes, where the labels are in memory.
-
-    For each output whose loss is Keras' sparse categorical cross-entropy (without an ignored
-    class): TensorFlow raises on a CPU for such a label, but a GPU's kernel returns NaN, or a wrong
-    loss, without a word.
-
-    Raises:
-      GpuparError: labels below 0 or not below the output's number of classes.
-    """
-    labels, outputs = train.labels(), getattr(model, "outputs", None)
-    if labels is None or not outputs:
-        return
-    for path, loss in keras_compat.compiled_losses(model):
-        if not _sparse(loss):
-            continue
-        try:
-            own = np.asarray(resolved(labels, path) if len(outputs) > 1 else labels)
-            classes = (resolved(model.output, path) if len(outputs) > 1 else outputs[0]).shape[-1]
-        except (IndexError, KeyError, TypeError):  # labels laid out otherwise: Keras' CompileLoss matches them
-            continue
-        if classes is not None and own.size and np.issubdtype(own.dtype, np.number) and (
-                own.min() < 0 or own.max() >= classes):
-            raise GpuparError(f"the labels reach {own.min()}..{own.max()}, but the model has {classes} outputs "
-                              f"(classes 0..{classes - 1}); fix the labels or the model's last layer")
-
-
-def _sparse(loss) -> bool:
-    """Whether a resolved Keras loss is sparse categorical cross-entropy (without an ignored class)."""
-    if isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
-        return loss.get_config().get("ignore_class") is None
-    return getattr(loss, "fn", None) is keras.losses.sparse_categorical_crossentropy

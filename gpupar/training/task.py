@@ -19,7 +19,7 @@ class Task:
     Attributes:
       build_model: build_model() -> keras.Model, called under the strategy's scope.
       train: The training data's adapter.
-      evaluation: The evaluation data's adapter, or None.
+      validation: The validation data's adapter (model.fit's validation_data), or None.
       loss: For a model that comes uncompiled: a Keras name, a keras.losses.Loss, a function, or
         one per output; None: none but the model's own (add_loss).
       metrics: For a model that comes uncompiled: Keras metric names or objects, or one list per output.
@@ -36,7 +36,7 @@ class Task:
 
     build_model: Callable
     train: DataAdapter
-    evaluation: Optional[DataAdapter] = None
+    validation: Optional[DataAdapter] = None
     loss: Any = None
     metrics: Any = None
     optimizer: Any = None
@@ -47,7 +47,7 @@ class Task:
     seeded: bool = True
 
 
-def user_task(model, train, evaluation, loss, metrics, optimizer, callbacks, raw=(), seeded=False) -> Task:
+def user_task(model, train, validation, loss, metrics, optimizer, callbacks, raw=(), seeded=False) -> Task:
     """The Task of gpupar.fit's arguments (the data as adapters), with the checks that need no TensorFlow done now.
 
     model: a built keras.Model, or a function that returns one. raw: what the user gave as data,
@@ -81,7 +81,7 @@ def user_task(model, train, evaluation, loss, metrics, optimizer, callbacks, raw
             raise GpuparError(f"model_fn returned a {type(made).__name__}, not a keras.Model")
         return made
 
-    return Task(build_model, train, evaluation, loss, metrics, optimizer, tuple(callbacks),
+    return Task(build_model, train, validation, loss, metrics, optimizer, tuple(callbacks),
                 early_start=_early_start(built, optimizer, metrics, raw), model=built, seeded=seeded)
 
 

@@ -74,7 +74,8 @@ class Trainer:
       signature: The model and its shape-defining options, as checkpoints record them.
       learning_rate: The learning rate to put back after restoring a checkpoint, or None.
       visible_gpus: The physical GPUs in use (for the utilisation sampler).
-      random_state: Random state outside the model that checkpoints hold (Keras' global SeedGenerator's).
+      global_random_state: Random state outside the model that checkpoints hold (Keras' global SeedGenerator's),
+        saved as "global_random_state" (the model's own is checkpoint.model_random_state).
       variables: The variables the optimizer updates (the model's trainable ones, or their shards).
     """
 
@@ -93,7 +94,7 @@ class Trainer:
     signature: dict
     learning_rate: Optional[float] = None
     visible_gpus: Sequence[int] = ()
-    random_state: Sequence = ()
+    global_random_state: Sequence = ()
     variables: Sequence = ()
 
     @property
@@ -119,16 +120,12 @@ class Trainer:
 
     def state(self) -> dict:
         """What checkpoints hold, by name: the model, its optimizer, random state outside the model, the step's own."""
-        return {"model": self.model, "optimizer": self.optimizer, "global_random_state": list(self.random_state),
+        return {"model": self.model, "optimizer": self.optimizer, "global_random_state": list(self.global_random_state),
                 **self.step.state()}
 
     def start(self, first_step: int, limit: Optional[int] = None):
         """The training input from a global step (after restoring; at most `limit` steps)."""
         return self.make_input(first_step, limit)
-
-    def run_steps(self, iterator, num_steps: int, first_call: bool = False) -> Results:
-        """One call of num_steps steps; the Results of the steps that finished."""
-        return self.calls.run(iterator, num_steps, first_call)
 
     def finish(self) -> Results:
         """Results of the steps still in flight, once applied."""
@@ -157,6 +154,6 @@ class Trainer:
         total, done = Results(), 0
         while done < steps:
             num = min(self.steps_per_call, steps - done)
-            total += self.run_steps(iterator, num, first_call and done == 0)
+            total += self.calls.run(iterator, num, first_call and done == 0)
             done += num
         return total

@@ -104,7 +104,7 @@ class DataAdapter:
         """(the whole set once, in global batches, the last partial one included; batches in the pass)."""
         raise NotImplementedError
 
-    def evaluation(self, global_batch: int, max_steps: Optional[int] = None):
+    def validation_batches(self, global_batch: int, max_steps: Optional[int] = None):
         """(the evaluation batches, repeated for one iterator per run; batches in one evaluation).
 
         max_steps (validation_steps) evaluates the first max_steps batches each time, as Keras' fit.
@@ -114,9 +114,9 @@ class DataAdapter:
             dataset, steps = dataset.take(max_steps), max_steps
         return dataset.repeat().prefetch(2).with_options(array_pipeline.no_autotune()), steps
 
-    def distribute_evaluation(self, strategy, global_batch: int, per_pipeline: int, max_steps: Optional[int] = None):
+    def distribute_validation(self, strategy, global_batch: int, per_pipeline: int, max_steps: Optional[int] = None):
         """(the evaluation batches distributed over the strategy's replicas, batches in one evaluation)."""
-        dataset, steps = self.evaluation(global_batch, max_steps)
+        dataset, steps = self.validation_batches(global_batch, max_steps)
         return strategy.experimental_distribute_dataset(dataset), steps
 
     def input_bound_hints(self) -> List[str]:

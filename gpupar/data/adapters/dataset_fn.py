@@ -74,7 +74,7 @@ class DatasetFnAdapter(DataAdapter):
         """The batches are the dataset_fn's own, from one input pipeline of one replica."""
         return self.data(input_context(1)), self.batches_per_pass
 
-    def distribute_evaluation(self, strategy, global_batch: int, per_pipeline: int, max_steps=None):
+    def distribute_validation(self, strategy, global_batch: int, per_pipeline: int, max_steps=None):
         if max_steps is not None and max_steps * per_pipeline < self.batches_per_pass:
             steps = max_steps  # each pipeline gives the first max_steps batches of each of its replicas
             dataset = strategy.distribute_datasets_from_function(

@@ -64,7 +64,7 @@ class GeneratorAdapter(PythonBatches):
         except TypeError as e:
             raise GpuparError(f"{self.role}: the generator function cannot be called without arguments ({e})") from None
 
-    def evaluation(self, global_batch: int, max_steps=None):
+    def validation_batches(self, global_batch: int, max_steps=None):
         """(the evaluation batches, batches in one evaluation); a generator's as Keras' fit reads it.
 
         A generator function's evaluation is one pass (or its first max_steps batches) each time.
@@ -73,7 +73,7 @@ class GeneratorAdapter(PythonBatches):
         stream (keras/src/trainers/data_adapters/generator_data_adapter.py).
         """
         if self.function:
-            return super().evaluation(global_batch, max_steps)
+            return super().validation_batches(global_batch, max_steps)
         first = self.first[:max_steps]
 
         def each_evaluation():

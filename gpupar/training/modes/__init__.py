@@ -3,7 +3,7 @@
 >>> import gpupar
 >>> from gpupar.training import modes
 >>> mode = modes.checked(gpupar.Config(strategy="model_parallel", microbatches=4))
->>> mode.name, mode.takes_own_step, mode.distribution.microbatches
+>>> mode.name, mode.replicas_step_together, mode.distribution.microbatches
 ('model_parallel', False, 4)
 
 Adding a mode is one module with a Mode subclass (its names, options and capabilities declared
@@ -55,7 +55,7 @@ def checked(config, cluster=None) -> Mode:
                                   f"drop {option}")
     mode = chosen(distribution)
     if not mode.takes_step_options:
-        _refuse_step_options(config.step, mode.name)
+        _refuse_step_options(config.step_options, mode.name)
     for option, why in mode.refused_loop_options.items():
         if getattr(config.loop, option) is not None:
             raise GpuparError(f"{option} is not available with strategy={mode.name} ({why}); drop it")

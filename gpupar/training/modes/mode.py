@@ -2,12 +2,13 @@
 
 A mode is one way of training (synchronous data parallelism, model-parallel stages, parameter
 servers), one module each beside this one, registered in gpupar.training.modes. Everything
-outside modes/ asks the chosen mode's declared capabilities; none compares mode names.
+outside modes/ asks the chosen mode's declared capabilities; none compares mode names. A mode
+does not build the step: the kind of step (gpupar.training.steps.step_kind) is chosen from the
+model and the placement, and the mode takes the Step it builds (calls, evaluation).
 """
 
 from typing import Dict, List, Sequence, Tuple
 
-from gpupar.training.steps.compiled import CompiledStep
 from gpupar.training.steps.step import Evaluation, LocalCalls, no_evaluation
 from gpupar.training.trainer import Placement
 
@@ -20,13 +21,13 @@ class Mode:
       strategies: The `strategy` values that select it (selected() may take a cluster's word too).
       options: {Distribution field: what it does} of the fields that are this mode's own; any
         other mode refuses them when they are given.
-      takes_own_step: Runs a model's own train_step.
       takes_built_model: Trains a model built before the call (gpupar.fit(model, ...)), rather than
         only one it builds itself from a function.
       takes_step_options: Runs the step options (accumulate_steps, precision, nan_policy, jit_compile).
       refused_loop_options: LoopOptions fields it cannot run, and why (one phrase).
       replicas_step_together: Its replicas apply one update together, so batch-norm statistics can
-        be synchronised over them and input transforms run alike on each.
+        be synchronised over them, input transforms run alike on each, and a model's own
+        train_step runs on each (gpupar.training.steps.own.OwnKind).
       batch_norm: How batch norm normalises where replicas do not step together (for errors).
       diagnosable: gpupar diagnose can time its step alone, its pipeline alone and both together.
       steps_per_call: Train steps per call where the options give none; None: the loop options' rule.
@@ -35,7 +36,6 @@ class Mode:
     name = ""
     strategies: Tuple[str, ...] = ()
     options: Dict[str, str] = {}
-    takes_own_step = False
     takes_built_model = True
     takes_step_options = False
     refused_loop_options: Dict[str, str] = {}
@@ -82,10 +82,6 @@ class Mode:
         """(the variables the optimizer updates, one log line per variable split over several devices)."""
         return model.trainable_variables, []
 
-    def step(self, model, optimizer, update_optimizer, variables, step_options, placement):
-        """The Step that trains a compiled model in this mode."""
-        return CompiledStep(model, optimizer, update_optimizer, variables)
-
     def calls(self, step, placement, replica_rows):
         """What runs calls of the step's train steps (LocalCalls, or a scheduler of the workers).
 
@@ -97,9 +93,9 @@ class Mode:
         """make_input(first_step, limit=None) -> the training input of this mode from a global step."""
         raise NotImplementedError
 
-    def evaluation(self, step, data, placement: Placement, eval_batch: int, validation_steps, steps_per_call: int):
-        """evaluation(callbacks) -> the logs of the evaluation data (an adapter, or None) under this mode."""
+    def make_evaluate(self, step, data, placement: Placement, eval_batch: int, validation_steps, steps_per_call: int):
+        """evaluate(callbacks) -> the logs of the validation data (an adapter, or None): Trainer.evaluate."""
         if data is None:
             return no_evaluation
-        dataset, steps = data.evaluation(eval_batch, validation_steps)
+        dataset, steps = data.validation_batches(eval_batch, validation_steps)
         return Evaluation(step, None, iter(dataset), steps, steps_per_call)

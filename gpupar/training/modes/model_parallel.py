@@ -3,26 +3,21 @@
     gpupar --model=lstm --strategy=model_parallel --virtual_cpus=3 --microbatches=4 \
         --dataset=fashion_mnist --data_dir=/usr/share/datasets/fashion-mnist --epochs=2
 
-The step is gpupar.training.steps.pipelined.PipelineStep; this mode plans the stages on the
-devices, builds the model with each stage's variables on its device (gpupar.models.staged), and
+The step is gpupar.training.steps.pipelined.PipelineStep (its kind applies to a placement of
+stages); this mode plans the stages on the devices, builds the model with each stage's variables on its device (gpupar.models.staged), and
 feeds each global batch whole to the pipeline.
 """
-
-import logging
 
 import tensorflow as tf
 
 from gpupar.errors import GpuparError
-from gpupar.models.staged import build_on_stages, chain_layers
-from gpupar.runtime.stages import plan_stages, stage_of_layers
+from gpupar.models.staged import build_on_stages
+from gpupar.runtime.stages import plan_stages
 from gpupar.runtime.strategy import detected_plan
 from gpupar.training.inner_loop import timed_loop_iterations
 from gpupar.training.modes.mode import Mode
-from gpupar.training.steps.pipelined import PipelineStep
 from gpupar.training.steps.step import LocalCalls
 from gpupar.training.trainer import Placement
-
-log = logging.getLogger("gpupar")
 
 
 class ModelParallel(Mode):
@@ -43,7 +38,7 @@ class ModelParallel(Mode):
                                   f"micro-batches; choose a {option} that is a multiple of microbatches")
 
     def refuse_task(self, task):
-        for adapter in (task.train, task.evaluation):
+        for adapter in (task.train, task.validation):
             if adapter is not None and adapter.per_replica_batches:
                 raise GpuparError(f"{adapter.role} is {adapter.form}, which gives per-replica batches; "
                                   "strategy=model_parallel splits each global batch itself: give arrays, a dataset or "
@@ -62,14 +57,6 @@ class ModelParallel(Mode):
 
     def build_model(self, build, placement):
         return build_on_stages(build, self.distribution.stages, placement.plan.variable_devices)
-
-    def step(self, model, optimizer, update_optimizer, variables, step_options, placement):
-        layers = chain_layers(model)
-        stage_of = stage_of_layers([layer.name for layer in layers], self.distribution.stages)
-        step = PipelineStep(model, stage_of, placement.plan, optimizer, self.distribution.microbatches)
-        for line in step.describe():
-            log.info(line)
-        return step
 
     def calls(self, step, placement, replica_rows):
         return LocalCalls(step, None, timed_loop_iterations(placement.on_gpus), replica_rows)

@@ -31,9 +31,9 @@ from gpupar.runtime.cluster import Cluster
 from gpupar.runtime.devices import configure_devices
 from gpupar.runtime.network import warn_if_reachable
 from gpupar.runtime.strategy import SHARD_BYTES, detected_plan, max_shards, plan_strategy, shared_strategy
-from gpupar.training.inner_loop import Results, steps_in_one_call
+from gpupar.training.inner_loop import Results
 from gpupar.training.modes.mode import Mode
-from gpupar.training.steps.step import as_logs, keras_logs
+from gpupar.training.steps.step import as_logs, keras_logs, train_function
 from gpupar.training.trainer import Placement
 
 log = logging.getLogger("gpupar")
@@ -138,12 +138,11 @@ def worker_function(step, strategy):
     the coordinator reads no variable on the ps tasks while other workers' calls run (an eager
     read from the coordinator then has crashed it, SIGSEGV, under load).
     """
-    steps = steps_in_one_call(lambda batch, states: strategy.run(step.train, args=(batch, states)), step.train_zeros(),
-                              state_variables=step.state_variables)
+    steps = train_function(step, strategy)
 
     @tf.function(autograph=False)
     def train(iterator, num_steps):
-        totals = steps(iterator, num_steps)
+        totals, _, _ = steps(iterator, num_steps)
         with tf.control_dependencies(tf.nest.flatten(totals)):  # after the steps' metric updates
             metrics = step.model.get_metrics_result()
         return totals, tf.distribute.coordinator.experimental_get_current_worker_index(), metrics
@@ -257,7 +256,10 @@ class ParameterServer(Mode):
                  else "each one whole")
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         # Each step trains one worker's batch, on its own: one replica per update.
-        return Placement(plan.describe(), strategy, 1, plan.devices, workers=plan.num_replicas, plan=plan)
+        return Placement(plan.describe(), strategy, plan.num_replicas, plan.devices, workers=plan.num_workers, plan=plan)
+
+    def jit_refusal(self, placement):
+        return "jit_compile: gpupar runs a parameter-server worker's steps without XLA"
 
     def updated_variables(self, model):
         return update_variables(model)
@@ -281,7 +283,7 @@ class ParameterServer(Mode):
 
         return make
 
-    def evaluation(self, step, data, placement, eval_batch, validation_steps, steps_per_call):
+    def make_evaluate(self, step, data, placement, eval_batch, validation_steps, steps_per_call):
         if data is not None:
             log.info("evaluation: on the chief, reading the variables from the ps tasks")
-        return super().evaluation(step, data, placement, eval_batch, validation_steps, steps_per_call)
+        return super().make_evaluate(step, data, placement, eval_batch, validation_steps, steps_per_call)

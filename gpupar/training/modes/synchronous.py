@@ -8,8 +8,6 @@ mirrored, central_storage) or a cluster's workers in lock step (multi_worker_mir
 from gpupar.runtime.strategy import STRATEGIES, detected_plan, jit_compile_refusal, shared_strategy
 from gpupar.training.inner_loop import timed_loop_iterations
 from gpupar.training.modes.mode import Mode
-from gpupar.training.steps.compiled import CompiledStep
-from gpupar.training.steps.own import OwnStep
 from gpupar.training.steps.step import Evaluation, LocalCalls, no_evaluation
 from gpupar.training.trainer import Placement
 
@@ -22,7 +20,6 @@ class Synchronous(Mode):
 
     name = "synchronous"
     strategies = tuple(s for s in STRATEGIES if s != "parameter_server")
-    takes_own_step = True
     takes_step_options = True
     replicas_step_together = True
     diagnosable = True
@@ -39,25 +36,11 @@ class Synchronous(Mode):
         plan = detected_plan(distribution.strategy, distribution.devices, distribution.cross_device_ops,
                              max_cpus=None if several else device_setup.virtual_cpus or 1, cluster=cluster)
         strategy = shared_strategy(plan)  # a multi-worker strategy must come before any other TensorFlow work
-        workers = plan.cluster.num_workers if plan.kind == "multi_worker_mirrored" else 1
-        return Placement(plan.describe(), strategy, plan.num_replicas, plan.devices, input_pipelines=workers,
+        return Placement(plan.describe(), strategy, plan.num_replicas, plan.devices, input_pipelines=plan.num_workers,
                          lockstep_workers=cluster is not None, plan=plan)
 
     def jit_refusal(self, placement):
         return jit_compile_refusal(placement.plan)
-
-    def step(self, model, optimizer, update_optimizer, variables, step_options, placement):
-        return CompiledStep(model, optimizer, update_optimizer, variables, step_options.accumulate_steps,
-                            step_options.nan_policy == "skip", step_options.jit_compile)
-
-    def own_step(self, model, train, data, placement, global_batch, eval_batch, validation_steps, jit_compile):
-        """The OwnStep of a model with its own train_step, traced on the input's shapes before any restore."""
-        strategy, per_pipeline = placement.strategy, _per_pipeline(placement)
-        spec = train.distribute(strategy, global_batch, 0, None, per_pipeline).element_spec
-        eval_spec = None
-        if data is not None:
-            eval_spec = data.distribute_evaluation(strategy, eval_batch, per_pipeline, validation_steps)[0].element_spec
-        return OwnStep(strategy, model, spec, eval_spec, jit_compile)
 
     def calls(self, step, placement, replica_rows):
         return LocalCalls(step, placement.strategy, timed_loop_iterations(placement.on_gpus), replica_rows)
@@ -67,10 +50,10 @@ class Synchronous(Mode):
             return iter(train.distribute(placement.strategy, global_batch, first_step, limit, _per_pipeline(placement)))
         return make
 
-    def evaluation(self, step, data, placement, eval_batch, validation_steps, steps_per_call):
+    def make_evaluate(self, step, data, placement, eval_batch, validation_steps, steps_per_call):
         if data is None:
             return no_evaluation
-        dataset, steps = data.distribute_evaluation(placement.strategy, eval_batch, _per_pipeline(placement),
+        dataset, steps = data.distribute_validation(placement.strategy, eval_batch, _per_pipeline(placement),
                                                     validation_steps)
         return Evaluation(step, placement.strategy, iter(dataset), steps, steps_per_call)
 

@@ -11,21 +11,27 @@ host reads them as Keras' fit does (Step.logs).
 
 import contextlib
 
+import keras
+import numpy as np
 import tensorflow as tf
 
+from gpupar import keras_compat
+from gpupar.errors import GpuparError
 from gpupar.training.inner_loop import Results, unpack
-from gpupar.training.loss import global_batch_losses, len_rows, replica_loss, summed_over_replicas, track_loss
+from gpupar.training.loss import (checked_reductions, global_batch_losses, len_rows, replica_loss, resolved,
+                                  summed_over_replicas, track_loss)
 from gpupar.training.steps.parts import (accumulated, agreed_overflow, compiled_metrics_variables, forward,
                                          kept_if_skipped, loss_and_gradients, loss_scale_of, updated_metrics)
+from gpupar.training.steps.kind import StepKind, StepRequest
 from gpupar.training.steps.step import Step
 
 
 class KerasCompiledStep(Step):
     """What every step of a compiled model shares: Keras' compiled loss over the global batch, its metrics carried.
 
-    train() returns (the step's loss times its global batch's rows, this replica's rows), summed
+    train_step() returns (the step's loss times its global batch's rows, this replica's rows), summed
     over steps and replicas: what the loop checks for a non-finite loss and counts as examples.
-    evaluate() returns this replica's rows. Both carry the compiled metrics' values as `states`.
+    test_step() returns this replica's rows. Both carry the compiled metrics' values as `states`.
     """
 
     def __init__(self, model, optimizer):
@@ -45,7 +51,7 @@ class KerasCompiledStep(Step):
     def train_zeros(self):
         return 0.0, 0.0
 
-    def eval_zeros(self):
+    def test_zeros(self):
         return 0.0
 
     def results(self, num_steps, totals, waited, busy) -> Results:
@@ -71,7 +77,7 @@ class CompiledStep(KerasCompiledStep):
         self.accumulate_steps, self.skip_nonfinite, self.jit_compile = accumulate_steps, skip_nonfinite, jit_compile
         self.loss_scale = loss_scale_of(self.update_optimizer)
 
-    def train(self, batch, states):
+    def train_step(self, batch, states):
         """One replica's step. The all-reduce of the gradients happens in the optimizer's apply (Keras 3 sums the
         replicas' gradients there); reducing them here as well would make every update num_replicas times too large."""
         x, y, sample_weight = unpack(batch)
@@ -95,7 +101,7 @@ class CompiledStep(KerasCompiledStep):
         return loss_and_gradients(self.model, self.variables, x, y, sample_weight, self.metrics, states,
                                   self.loss_scale, added_share)
 
-    def evaluate(self, batch, states):
+    def test_step(self, batch, states):
         """One replica's evaluation of its share: Keras' test_step, its loss over the global batch."""
         x, y, sample_weight = unpack(batch)
         y_pred, added = forward(self.model, x, training=False)
@@ -112,3 +118,59 @@ class CompiledStep(KerasCompiledStep):
     def after_call(self):
         if self.skip_nonfinite:
             self.loss_scale.dynamic_scale.assign(1.0)  # each skipped step halved it
+
+
+class CompiledKind(StepKind):
+    """A compiled model trained by gpupar's step (CompiledStep): every model without a step of its own."""
+
+    name = "compiled"
+
+    def applies(self, model, placement) -> bool:
+        return True
+
+    def build(self, request: StepRequest) -> CompiledStep:
+        check_compiled(request.model, request.train)
+        options = request.options
+        return CompiledStep(request.model, request.optimizer, request.update_optimizer, request.variables,
+                            options.accumulate_steps, options.nan_policy == "skip", options.jit_compile)
+
+
+def check_compiled(model, train):
+    """Refuses a compiled loss whose reduction gpupar cannot take over the global batch, and labels outside a sparse
+    cross-entropy's classes (checked_reductions, _check_labels)."""
+    checked_reductions(model)
+    _check_labels(model, train)
+
+
+def _check_labels(model, train):
+    """Refuses integer labels outside a sparse cross-entropy's classes, where the labels are in memory.
+
+    For each output whose loss is Keras' sparse categorical cross-entropy (without an ignored
+    class): TensorFlow raises on a CPU for such a label, but a GPU's kernel returns NaN, or a wrong
+    loss, without a word.
+
+    Raises:
+      GpuparError: labels below 0 or not below the output's number of classes.
+    """
+    labels, outputs = train.labels(), getattr(model, "outputs", None)
+    if labels is None or not outputs:
+        return
+    for path, loss in keras_compat.compiled_losses(model):
+        if not _sparse(loss):
+            continue
+        try:
+            own = np.asarray(resolved(labels, path) if len(outputs) > 1 else labels)
+            classes = (resolved(model.output, path) if len(outputs) > 1 else outputs[0]).shape[-1]
+        except (IndexError, KeyError, TypeError):  # labels laid out otherwise: Keras' CompileLoss matches them
+            continue
+        if classes is not None and own.size and np.issubdtype(own.dtype, np.number) and (
+                own.min() < 0 or own.max() >= classes):
+            raise GpuparError(f"the labels reach {own.min()}..{own.max()}, but the model has {classes} outputs "
+                              f"(classes 0..{classes - 1}); fix the labels or the model's last layer")
+
+
+def _sparse(loss) -> bool:
+    """Whether a resolved Keras loss is sparse categorical cross-entropy (without an ignored class)."""
+    if isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
+        return loss.get_config().get("ignore_class") is None
+    return getattr(loss, "fn", None) is keras.losses.sparse_categorical_crossentropy

@@ -23,7 +23,8 @@ from gpupar import keras_compat
 from gpupar.errors import GpuparError
 from gpupar.training.checkpoint import inexact_resume_note, unsaved_draws
 from gpupar.training.inner_loop import SUM, Results
-from gpupar.training.loss import summed_over_replicas
+from gpupar.training.loss import len_rows, summed_over_replicas
+from gpupar.training.steps.kind import StepKind, StepRequest
 from gpupar.training.steps.step import Step
 
 log = logging.getLogger("gpupar")
@@ -80,12 +81,6 @@ def global_mean(values, sample_weight=None):
         tf.cast(sample_weight, tf.float32), tf.shape(values))
     total, count = tf.reduce_sum(values * weights), tf.reduce_sum(weights)
     return tf.math.divide_no_nan(total, summed_over_replicas(count))
-
-
-def _rows(batch):
-    """Examples in a replica's share of the batch: the leading size of its first tensor."""
-    first = tf.nest.flatten(batch, expand_composites=True)[0]
-    return tf.cast(tf.shape(first)[0], tf.float32)
 
 
 def _checked_logs(model, logs, step_name):
@@ -162,7 +157,7 @@ class OwnStep(Step):
         strategy, model = self.strategy, self.model
 
         def one_step(batch):
-            rows, logs = strategy.run(lambda share: (_rows(share), _step_logs(model, step_name, share)),
+            rows, logs = strategy.run(lambda share: (tf.cast(len_rows(share), tf.float32), _step_logs(model, step_name, share)),
                                       args=(batch,))
             return strategy.reduce(SUM, rows, axis=None), {name: strategy.reduce(MEAN, value, axis=None)
                                                            for name, value in logs.items()}
@@ -189,13 +184,13 @@ class OwnStep(Step):
     def train_zeros(self):
         return 0.0, {name: 0.0 for name in self.names}
 
-    def train(self, batch, states):
+    def train_step(self, batch, states):
         return self.one_train(batch), states
 
-    def eval_zeros(self):
+    def test_zeros(self):
         return 0.0, {name: 0.0 for name in self.eval_names}
 
-    def evaluate(self, batch, states):
+    def test_step(self, batch, states):
         return self.one_test(batch), states
 
     def combine(self, totals, values):
@@ -252,3 +247,48 @@ class FirstStepCheck:
             raise GpuparError(f"{type(self.model).__name__}.train_step updated no variable in its first steps (no "
                               "optimizer applied gradients, no weight changed); call an optimizer's apply_gradients "
                               "(or apply) on the gradients in train_step")
+
+
+class OwnKind(StepKind):
+    """A model whose class overrides train_step or compute_loss, trained by its own step (OwnStep), as model.fit runs it.
+
+    It runs where replicas step together under a tf.distribute strategy, and refuses what would
+    change its updates (accumulation, skipped steps, mixed_float16's loss scaling).
+    """
+
+    name = "own"
+    own_update = True
+
+    def applies(self, model, placement) -> bool:
+        return has_own_step(model)
+
+    def refusal(self, model, mode, options):
+        name = type(model).__name__
+        if not mode.replicas_step_together:
+            return (f"{name} has its own train_step, which the {mode.name} mode cannot run (its step is gpupar's, split "
+                    "over stages or workers); train it with strategy=mirrored, one_device, central_storage or "
+                    "multi_worker_mirrored")
+        if options.accumulate_steps > 1:
+            return (f"{name} has its own train_step, which applies its own updates: accumulate_steps="
+                    f"{options.accumulate_steps} cannot add up its gradients; use accumulate_steps=1 (or accumulate "
+                    "in the step)")
+        if options.nan_policy == "skip":
+            return (f"{name} has its own train_step, which applies its own updates: nan_policy=skip cannot drop them; "
+                    "use nan_policy=stop (training stops at a non-finite log, the last checkpoint kept)")
+        if options.precision == "mixed_float16":
+            return (f"{name} has its own train_step, whose optimizers do not scale the loss as mixed_float16 needs; use "
+                    "precision=mixed_bfloat16 or float32, or wrap them in keras.optimizers.LossScaleOptimizer in the "
+                    "model and keep precision=float32")
+        return None
+
+    def build(self, request: StepRequest) -> OwnStep:
+        """The OwnStep, traced on the input's shapes before any restore."""
+        placement, strategy = request.placement, request.placement.strategy
+        per_pipeline = placement.replicas // placement.input_pipelines
+        spec = request.train.distribute(strategy, request.global_batch, 0, None, per_pipeline).element_spec
+        eval_spec = None
+        if request.validation is not None:
+            eval_spec = request.validation.distribute_validation(strategy, request.eval_batch, per_pipeline,
+                                                                 request.validation_steps)[0].element_spec
+        log.info(own_step_note(request.model))
+        return OwnStep(strategy, request.model, spec, eval_spec, request.options.jit_compile)

@@ -9,17 +9,21 @@ TensorFlow's executor starts each op as soon as its inputs are ready: stage k's 
 micro-batch i+1 does not depend on stage k+1's work on micro-batch i, and the two can overlap.
 """
 
+import logging
+
 import tensorflow as tf
 
 from gpupar.models.staged import chain_layers
-from gpupar.runtime.stages import StagePlan
+from gpupar.runtime.stages import StagePlan, stage_of_layers
 from gpupar.runtime.strategy import short_name
 from gpupar.training.inner_loop import unpack
 from gpupar.training.loss import len_rows, micro_batch, replica_loss, track_loss
-from gpupar.training.steps.compiled import KerasCompiledStep
+from gpupar.training.steps.compiled import KerasCompiledStep, check_compiled
+from gpupar.training.steps.kind import StepKind, StepRequest
 from gpupar.training.steps.parts import updated_metrics
 
 ZERO = tf.UnconnectedGradients.ZERO
+log = logging.getLogger("gpupar")
 
 
 def pieces(x, n):
@@ -162,7 +166,7 @@ class PipelineStep(KerasCompiledStep):
                 total = [g if d is None else g + d for g, d in zip(total, reg_grads)]
         return total, reg
 
-    def train(self, batch, states):
+    def train_step(self, batch, states):
         """One pipelined step: every micro-batch forward and backward, then one update of every stage's variables.
 
         Keras applies each variable's update colocated with the variable: on its stage's device.
@@ -173,7 +177,7 @@ class PipelineStep(KerasCompiledStep):
         _, states = updated_metrics(self.metrics, states, lambda: track_loss(self.model, loss, rows))
         return (loss * rows, rows), states
 
-    def evaluate(self, batch, states):
+    def test_step(self, batch, states):
         """Keras' test step for one batch, pipelined: the loss over the whole batch, the metrics updated."""
         plan, num_m = self.plan, self.microbatches
         parts = self._micro_batches(batch)
@@ -190,3 +194,21 @@ class PipelineStep(KerasCompiledStep):
         rows = tf.cast(rows, tf.float32)
         _, states = updated_metrics(self.metrics, states, lambda: track_loss(self.model, tf.add_n(shares + added), rows))
         return rows, states
+
+
+class PipelinedKind(StepKind):
+    """A compiled chain model whose stages a placement put on devices of their own (a StagePlan): PipelineStep."""
+
+    name = "pipelined"
+
+    def applies(self, model, placement) -> bool:
+        return isinstance(placement.plan, StagePlan)
+
+    def build(self, request: StepRequest) -> PipelineStep:
+        model, distribution = request.model, request.mode.distribution
+        check_compiled(model, request.train)
+        stage_of = stage_of_layers([layer.name for layer in chain_layers(model)], distribution.stages)
+        step = PipelineStep(model, stage_of, request.placement.plan, request.optimizer, distribution.microbatches)
+        for line in step.describe():
+            log.info(line)
+        return step

@@ -1,8 +1,8 @@
 """What a kind of step is, and the two ways every kind runs: K train steps per call, and one evaluation.
 
-A Step is what one replica does with one batch: `train(batch)` (forward, loss, gradients,
-update, metrics) and `evaluate(batch)`, each returning values that the K-steps call
-(gpupar.training.inner_loop.steps_in_one_call) adds up over steps and replicas on the devices,
+A Step is what one replica does with one batch: `train_step(batch)` (forward, loss, gradients,
+update, metrics) and `test_step(batch)`, as Keras names them, each returning values that the K-steps call
+(gpupar.training.inner_loop.InnerLoop) adds up over steps and replicas on the devices,
 and that the host reads once per call (`results`). The metrics are the model's own Keras metrics,
 read on the host as Keras' fit reads them (`logs`). Every kind (the compiled model's step, the
 model's own train_step, the pipelined stages) runs through `train_function` and `Evaluation`
@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from gpupar import keras_compat
-from gpupar.training.inner_loop import SUM, Results, steps_in_one_call
+from gpupar.training.inner_loop import SUM, InnerLoop, Results
 
 
 def keras_logs(model) -> dict:
@@ -35,14 +35,14 @@ def as_logs(metrics) -> dict:
 
 
 class Step:
-    """One kind of step, per replica. Subclasses define train, evaluate and their zeros; the rest has defaults.
+    """One kind of step, per replica. Subclasses define train_step, test_step and their zeros; the rest has defaults.
 
     Attributes:
       model: The Keras model the step trains.
       optimizer: The optimizer whose update counter counts the steps (and whose state checkpoints hold).
       jit_compile: Whether each replica's train step is one XLA computation.
       run_eagerly: Whether the steps run eagerly, not in a tf.function (compile's run_eagerly, for debugging).
-      runs_replicas: Whether train() and evaluate() run every replica themselves (strategy.run), across the
+      runs_replicas: Whether train_step() and test_step() run every replica themselves (strategy.run), across the
         replicas; else they are one replica's, and the K-steps call runs them on each.
       state_variables: The Keras variables the steps carry as `states` (gpupar.training.inner_loop).
     """
@@ -57,19 +57,19 @@ class Step:
         return []
 
     def train_zeros(self):
-        """Zeros shaped like the values train() returns."""
+        """Zeros shaped like the values train_step() returns."""
         raise NotImplementedError
 
-    def train(self, batch, states):
+    def train_step(self, batch, states):
         """One replica's train step on its share of the batch: (values shaped like train_zeros(), the new states)."""
         raise NotImplementedError
 
-    def eval_zeros(self):
-        """Zeros shaped like the values evaluate() returns."""
+    def test_zeros(self):
+        """Zeros shaped like the values test_step() returns."""
         raise NotImplementedError
 
-    def evaluate(self, batch, states):
-        """One replica's evaluation of its share of the batch: (values shaped like eval_zeros(), the new states)."""
+    def test_step(self, batch, states):
+        """One replica's evaluation of its share of the batch: (values shaped like test_zeros(), the new states)."""
         raise NotImplementedError
 
     def combine(self, totals, values):
@@ -127,58 +127,24 @@ class Step:
         """Called after each call of train steps, once its results are on the host."""
 
 
-def train_function(step: Step, strategy, parallel_iterations: int = 1, replica_rows: Optional[int] = None):
-    """train(iterator, num_steps, skip_first_wait) -> (totals, input wait s, step s): step.train on every replica.
+def train_function(step: Step, strategy, parallel_iterations: int = 10, replica_rows: Optional[int] = None):
+    """train(iterator, num_steps, skip_first_wait) -> (totals, input wait s, step s): step.train_step on every replica.
 
-    num_steps steps in one tf.function call (steps_in_one_call), timed; with jit_compile each
-    replica's step is one XLA computation (compiled_for_full_batches: replica_rows, the rows of a
-    replica's full batch, where every replica gets as many). parallel_iterations: see
-    gpupar.training.inner_loop.timed_loop_iterations.
+    The step's InnerLoop, the one K-steps call of every mode; with jit_compile each replica's step
+    is one XLA computation, compiled for a full batch of replica_rows rows (InnerLoop's
+    full_rows). parallel_iterations: see gpupar.training.inner_loop.timed_loop_iterations.
     """
-    replica_step = compiled_for_full_batches(step.train, replica_rows) if (
-        step.jit_compile and not step.runs_replicas) else step.train
     zeros = step.train_zeros()
-    strategy = None if step.runs_replicas else strategy
-    return steps_in_one_call(replica_step, zeros, timed=True, strategy=strategy, parallel_iterations=parallel_iterations,
-                             combine=step.combine, reductions=step.reductions(zeros),
-                             state_variables=step.state_variables, eager=step.run_eagerly)
-
-
-def compiled_for_full_batches(train, rows: Optional[int]):
-    """train(batch, states) as one XLA computation, compiled for a full batch of `rows` rows; other batches run without
-    XLA.
-
-    The K-steps loop hands the step batches whose first dimension is unknown (an epoch may end
-    in a smaller one). Traced on such a batch, XLA compiled the step again for every batch,
-    taking the tensors' values as compile-time constants (the ConvNet on one CPU: 10 steps took
-    185 s against 3.4 s with the batch's shape known). So a full batch is given its static shape
-    and runs the compiled step; a smaller one (an epoch's last) runs the same step without XLA.
-    rows None (replicas get unequal shares): every batch goes to the compiled step as it is.
-    """
-    compiled = tf.function(train, jit_compile=True, autograph=False)
-    if rows is None:
-        return compiled
-
-    def static(t):  # the branch runs only on a full batch: its shape is said, not checked again
-        if not isinstance(t, tf.Tensor):
-            return t
-        known = tf.identity(t)
-        known.set_shape([rows, *t.shape[1:]])
-        return known
-
-    def replica_step(batch, states):
-        first = next(t for t in tf.nest.flatten(batch) if isinstance(t, tf.Tensor))
-        return tf.cond(tf.equal(tf.shape(first)[0], rows),
-                       lambda: compiled(tf.nest.map_structure(static, batch), states), lambda: train(batch, states))
-
-    return replica_step
+    return InnerLoop(step.train_step, zeros, None if step.runs_replicas else strategy, parallel_iterations, step.combine,
+                     step.reductions(zeros), step.state_variables, eager=step.run_eagerly,
+                     jit_compile=step.jit_compile and not step.runs_replicas, full_rows=replica_rows).call
 
 
 class LocalCalls:
     """Runs a step's calls in this process, one after another: every mode but parameter servers.
 
     replica_rows: the rows of each replica's full batch, if every replica gets as many
-    (compiled_for_full_batches).
+    (InnerLoop's full_rows).
     """
 
     def __init__(self, step: Step, strategy, parallel_iterations: int = 1, replica_rows: Optional[int] = None):
@@ -205,21 +171,19 @@ class LocalCalls:
 class Evaluation:
     """The evaluation of the current weights over a whole evaluation set: one path for every kind of step.
 
-    It runs the step's evaluate on every replica in calls of `steps_per_call` steps, and tells
+    It runs the step's test_step on every replica in calls of `steps_per_call` steps, and tells
     `callbacks` (an object with Keras' test hooks, or None) as Keras' evaluate tells its
     callbacks: on_test_begin, on_test_batch_begin/end around each call, on_test_end.
     """
 
     def __init__(self, step: Step, strategy, iterator, num_steps: int, steps_per_call: int = 1):
         self.step, self.iterator, self.num_steps, self.steps_per_call = step, iterator, num_steps, steps_per_call
-        zeros = step.eval_zeros()
+        zeros = step.test_zeros()
         # As Keras' evaluate: compile's jit_compile compiles the test step too.
-        evaluate = tf.function(step.evaluate, jit_compile=True, autograph=False) if step.jit_compile and not (
-            step.run_eagerly or step.runs_replicas) else step.evaluate
-        self.function = steps_in_one_call(evaluate, zeros, strategy=None if step.runs_replicas else strategy,
-                                          combine=step.combine,
-                                          reductions=step.reductions(zeros), state_variables=step.state_variables,
-                                          eager=step.run_eagerly)
+        self.function = InnerLoop(step.test_step, zeros, None if step.runs_replicas else strategy, combine=step.combine,
+                                  reductions=step.reductions(zeros), state_variables=step.state_variables,
+                                  eager=step.run_eagerly,
+                                  jit_compile=step.jit_compile and not (step.run_eagerly or step.runs_replicas)).call
 
     def __call__(self, callbacks=None) -> dict:
         """{"val_loss": ..., "val_<metric>": ...} of the whole evaluation set."""
@@ -232,7 +196,7 @@ class Evaluation:
                 num = min(self.steps_per_call, self.num_steps - done)
                 if callbacks is not None:
                     callbacks.on_test_batch_begin(done)
-                last = self.step.step_logs(self.function(self.iterator, tf.constant(num)))
+                last = self.step.step_logs(self.function(self.iterator, tf.constant(num))[0])
                 done += num
                 if callbacks is not None:
                     callbacks.on_test_batch_end(done - 1, self.step.logs(last))
