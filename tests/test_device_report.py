@@ -46,5 +46,6 @@ def test_devices_json_on_this_machine():
     report = json.loads(result.stdout)
     assert [d["name"] for d in report["logical_devices"] if d["type"] == "CPU"] == ["/device:CPU:0", "/device:CPU:1"]
     assert report["strategy"]["kind"] == "mirrored" and report["strategy"]["replicas"] == 2
+    assert report["strategy"]["workers"] == 1  # one machine: no cluster's workers
     assert report["strategy"]["all_reduce"] == "reduction_to_one_device"
     assert report["tensorflow"].startswith("2.") and NO_GPU_HINT in report["notes"]

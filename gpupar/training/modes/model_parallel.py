@@ -4,8 +4,8 @@
         --dataset=fashion_mnist --data_dir=/usr/share/datasets/fashion-mnist --epochs=2
 
 The step is gpupar.training.steps.pipelined.PipelineStep (its kind applies to a placement of
-stages); this mode plans the stages on the devices, builds the model with each stage's variables on its device (gpupar.models.staged), and
-feeds each global batch whole to the pipeline.
+stages); this mode plans the stages on the devices, builds the model with each stage's variables
+on its device (gpupar.models.staged), and feeds each global batch whole to the pipeline.
 """
 
 import tensorflow as tf
